@@ -1,0 +1,131 @@
+//! pd-engine-bench: engine speed on the real model, one process, one thread count.
+//! Prints a Markdown table: prefill tok/s by prompt length (chunked), decode ms/token by
+//! batch size at a fixed context, KV export/import GB/s, peak RSS. Run it once per thread
+//! count (`--threads`); compare numbers from one run, these machines are noisy.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Parser;
+use pd_engine::{set_compute_threads, BatchSeq, CacheConfig, Engine, LoadOptions, SequenceKv, WeightFormat, WireDType};
+
+#[derive(Debug, Parser)]
+struct Args {
+    #[arg(long, env = "PD_MODEL", default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    model: PathBuf,
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// f32, q8 or stored.
+    #[arg(long, default_value = "f32")]
+    weights: WeightFormat,
+    /// Prompt lengths for the prefill measurement.
+    #[arg(long, value_delimiter = ',', default_value = "128,512,2048")]
+    prefill: Vec<usize>,
+    #[arg(long, default_value_t = 512)]
+    chunk: usize,
+    /// Batch sizes for the decode measurement.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    batch: Vec<usize>,
+    /// Context length of every sequence in the decode measurement.
+    #[arg(long, default_value_t = 512)]
+    context: usize,
+    /// Decode steps timed per batch size.
+    #[arg(long, default_value_t = 16)]
+    steps: usize,
+}
+
+/// Deterministic token ids in the normal-text range of the vocabulary.
+fn prompt(len: usize, salt: usize) -> Vec<u32> {
+    (0..len).map(|i| (100 + (i * 7919 + salt * 104_729) % 40_000) as u32).collect()
+}
+
+fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    set_compute_threads(args.threads)?;
+    let max_prompt = args.prefill.iter().copied().max().unwrap_or(0);
+    let max_batch = args.batch.iter().copied().max().unwrap_or(1);
+    let tokens_needed = max_prompt.max((args.context + args.steps + 1) * (max_batch + 1));
+    let cache = CacheConfig::with_blocks(tokens_needed.div_ceil(16) + 16);
+    let options = LoadOptions { weights: args.weights, ..LoadOptions::default() };
+    let engine = Engine::load(&args.model, options, cache).with_context(|| format!("loading {}", args.model.display()))?;
+    println!("model {} | weights {:?} | threads {}", args.model.display(), args.weights, args.threads);
+    println!();
+    println!("| measurement | value |");
+    println!("|---|---|");
+
+    // Warm-up: the first forward pays one-off costs (thread pools, page faults).
+    drop(engine.prefill(&mut engine.new_sequence(), &prompt(32, 99), args.chunk)?);
+
+    for &len in &args.prefill {
+        let mut kv = engine.new_sequence();
+        let t = Instant::now();
+        engine.prefill(&mut kv, &prompt(len, len), args.chunk)?;
+        let s = t.elapsed().as_secs_f64();
+        println!("| prefill {len} tokens (chunk {}) | {:.0} tok/s ({:.2} s) |", args.chunk, len as f64 / s, s);
+    }
+
+    // One prefilled context, copied into every sequence of the batch through KV export/import.
+    let mut base = engine.new_sequence();
+    let base_logits = engine.prefill(&mut base, &prompt(args.context, 7), args.chunk)?;
+    let first_token = base_logits.argmax(0)?.to_scalar::<u32>()?;
+    for dtype in [WireDType::F16, WireDType::F32] {
+        let t = Instant::now();
+        let bytes = engine.export_kv(&base, 0..engine.model().config().num_layers, dtype)?;
+        let export_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let imported = engine.import_kv(&bytes)?;
+        let import_s = t.elapsed().as_secs_f64();
+        drop(imported);
+        let gb = bytes.len() as f64 / 1e9;
+        println!(
+            "| KV export / import {dtype:?}, {} tokens ({:.1} MB) | {:.2} / {:.2} GB/s |",
+            args.context,
+            gb * 1e3,
+            gb / export_s,
+            gb / import_s
+        );
+    }
+    let snapshot = engine.export_kv(&base, 0..engine.model().config().num_layers, WireDType::F32)?;
+    let mut single_ms = None;
+    for &batch in &args.batch {
+        let mut seqs: Vec<SequenceKv> = (0..batch).map(|_| engine.import_kv(&snapshot)).collect::<Result<_, _>>()?;
+        let mut tokens = vec![first_token; batch];
+        let step = |seqs: &mut [SequenceKv], tokens: &mut Vec<u32>| -> anyhow::Result<()> {
+            let mut items: Vec<BatchSeq<'_>> = seqs
+                .iter_mut()
+                .zip(tokens.iter())
+                .map(|(kv, t)| BatchSeq { tokens: std::slice::from_ref(t), kv, want_logits: true })
+                .collect();
+            let logits = engine.forward(&mut items)?;
+            *tokens = logits.argmax(1)?.to_vec1::<u32>()?;
+            Ok(())
+        };
+        step(&mut seqs, &mut tokens)?;
+        let t = Instant::now();
+        for _ in 0..args.steps {
+            step(&mut seqs, &mut tokens)?;
+        }
+        let step_ms = t.elapsed().as_secs_f64() * 1e3 / args.steps as f64;
+        let per_token = step_ms / batch as f64;
+        let base_ms = *single_ms.get_or_insert(step_ms);
+        println!(
+            "| decode batch {batch} at {} context | {step_ms:.1} ms/step, {per_token:.2} ms/token, {:.0} tok/s ({:.1}x batch {}) |",
+            args.context,
+            1e3 / per_token,
+            base_ms / per_token,
+            args.batch[0]
+        );
+    }
+    if let Some(rss) = peak_rss_mib() {
+        println!("| peak RSS | {rss:.0} MiB |");
+    }
+    Ok(())
+}

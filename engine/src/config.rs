@@ -1,0 +1,198 @@
+//! Model hyperparameters, read from a checkpoint (GGUF metadata or config.json) and checked
+//! once, so the forward pass can trust them. Also the engine-level settings a worker chooses.
+
+use crate::error::{EngineError, Result};
+
+/// How rotary embeddings pair the dimensions of a head. GGUF Llama checkpoints store Q/K
+/// permuted for interleaved pairs (2i, 2i+1); Hugging Face checkpoints use halves (i, i+d/2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    Interleaved,
+    Halves,
+}
+
+/// Llama-family hyperparameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Longest sequence (prompt + output) the model was trained for.
+    pub max_position: usize,
+    pub rope_theta: f32,
+    pub rms_norm_eps: f64,
+    pub rope_style: RopeStyle,
+}
+
+impl ModelConfig {
+    /// Checks the relations the forward pass relies on.
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_layers", self.num_layers),
+            ("num_heads", self.num_heads),
+            ("num_kv_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("max_position", self.max_position),
+        ];
+        for (name, value) in positive {
+            if value == 0 {
+                return Err(EngineError::Metadata(format!("{name} must be positive")));
+            }
+        }
+        if self.num_heads % self.num_kv_heads != 0 {
+            return Err(EngineError::Metadata(format!(
+                "num_heads ({}) must be a multiple of num_kv_heads ({})",
+                self.num_heads, self.num_kv_heads
+            )));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(EngineError::Metadata(format!(
+                "head_dim ({}) must be even for rotary embeddings",
+                self.head_dim
+            )));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(EngineError::Metadata(format!(
+                "rope_theta ({}) must be a positive number",
+                self.rope_theta
+            )));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return Err(EngineError::Metadata(format!(
+                "rms_norm_eps ({}) must be a positive number",
+                self.rms_norm_eps
+            )));
+        }
+        Ok(())
+    }
+
+    /// Width of one token's K (or V) in one layer.
+    pub fn kv_width(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Bytes of K and V for one token over all layers at `bytes_per_value`.
+    pub fn kv_bytes_per_token(&self, bytes_per_value: usize) -> usize {
+        2 * self.num_layers * self.kv_width() * bytes_per_value
+    }
+}
+
+/// Where the model's math runs. CUDA exists only with the `cuda` cargo feature.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    Cpu,
+    Cuda(usize),
+}
+
+impl DeviceKind {
+    /// The one place a candle device is created.
+    pub fn to_device(self) -> Result<candle_core::Device> {
+        match self {
+            DeviceKind::Cpu => Ok(candle_core::Device::Cpu),
+            DeviceKind::Cuda(ordinal) => {
+                if cfg!(feature = "cuda") {
+                    Ok(candle_core::Device::new_cuda(ordinal)?)
+                } else {
+                    Err(EngineError::Config(
+                        "this build has no CUDA support; rebuild with `--features cuda`".into(),
+                    ))
+                }
+            }
+        }
+    }
+}
+
+/// How weights are kept in memory after loading.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// Dequantize to f32 and multiply with exact f32 activations (gemm). The default: it
+    /// follows the checkpoint most closely (Q8 activation rounding flips near-ties) and is the
+    /// fastest prefill on CPU; costs 4 bytes per weight of memory bandwidth in decode.
+    F32,
+    /// Re-quantize to Q8_0 so candle's SIMD quantized kernels apply: a quarter of the memory
+    /// traffic of F32 in decode, but activations are rounded to 8 bits.
+    Q8,
+    /// Keep weights exactly as stored (llama.cpp-style numerics; Q4_1 has no SIMD kernel on x86).
+    Stored,
+}
+
+impl std::str::FromStr for WeightFormat {
+    type Err = EngineError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "f32" => Ok(WeightFormat::F32),
+            "q8" => Ok(WeightFormat::Q8),
+            "stored" => Ok(WeightFormat::Stored),
+            other => Err(EngineError::Config(format!(
+                "weight format `{other}` is not one of f32, q8, stored"
+            ))),
+        }
+    }
+}
+
+/// Settings for loading a model.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions {
+    pub device: DeviceKind,
+    pub weights: WeightFormat,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            device: DeviceKind::Cpu,
+            weights: WeightFormat::F32,
+        }
+    }
+}
+
+/// Settings for the paged KV cache.
+#[derive(Debug, Clone, Copy)]
+pub struct CacheConfig {
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Blocks in the cache (memory = num_blocks * block_size * kv_bytes_per_token(4)).
+    pub num_blocks: usize,
+}
+
+impl CacheConfig {
+    pub const DEFAULT_BLOCK_SIZE: usize = 16;
+
+    /// A cache of `num_blocks` blocks of the default size.
+    pub fn with_blocks(num_blocks: usize) -> Self {
+        CacheConfig {
+            block_size: Self::DEFAULT_BLOCK_SIZE,
+            num_blocks,
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.block_size == 0 || self.num_blocks == 0 {
+            return Err(EngineError::Config(format!(
+                "block_size ({}) and num_blocks ({}) must be positive",
+                self.block_size, self.num_blocks
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Sets the number of threads candle's matmul pool and rayon use. Call first thing in `main`,
+/// before any model math: both pools read the setting once when they start.
+pub fn set_compute_threads(threads: usize) -> Result<()> {
+    if threads == 0 {
+        return Err(EngineError::Config("threads must be at least 1".into()));
+    }
+    // Sound here: called at process start before other threads exist (edition 2021 API).
+    std::env::set_var("CANDLE_NUM_THREADS", threads.to_string());
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    Ok(())
+}

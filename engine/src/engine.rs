@@ -1,0 +1,215 @@
+//! The engine facade: a loaded model, its KV cache and block pool, tokenizer and chat
+//! template, with the operations the workers build on (chunked prefill, batched steps,
+//! single-sequence generation, KV export/import). Synchronous; the workers own the threads.
+
+use std::ops::Range;
+use std::path::Path;
+
+use candle_core::Tensor;
+
+use crate::chat::{ChatMessage, ChatTemplate};
+use crate::config::{CacheConfig, LoadOptions};
+use crate::error::{EngineError, Result};
+use crate::kv::blocks::BlockManager;
+use crate::kv::cache::{KvCache, SequenceKv};
+use crate::kv::export::{self, WireDType};
+use crate::loader::gguf::GgufFile;
+use crate::loader::hf::HfFolder;
+use crate::model::{BatchSeq, Model};
+use crate::sampling::{FinishReason, OutputTracker, Sampler, SamplingParams, TokenOutput};
+use crate::tokenizer::Tokenizer;
+
+/// A model with everything needed to turn text into tokens and back.
+#[derive(Debug)]
+pub struct LoadedModel {
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+}
+
+/// Loads a GGUF file or a Hugging Face folder.
+pub fn load_model(path: &Path, options: LoadOptions) -> Result<LoadedModel> {
+    let device = options.device.to_device()?;
+    if path.is_dir() {
+        let mut folder = HfFolder::open(path, &device)?;
+        let config = folder.model_config()?;
+        let tokenizer = Tokenizer::from_file(&folder.tokenizer_path()?, folder.eos_ids(), folder.bos_id())?;
+        let template = folder.chat_template()?;
+        let model = Model::load(config, &mut folder, options.weights, &device)?;
+        let chat_template = compile_template(template, &tokenizer)?;
+        return Ok(LoadedModel { model, tokenizer, chat_template });
+    }
+    let mut file = GgufFile::open(path, &device)?;
+    let config = file.model_config()?;
+    let tokenizer = Tokenizer::from_gguf(file.metadata())?;
+    if tokenizer.vocab_size() < config.vocab_size {
+        return Err(EngineError::Tokenizer(format!(
+            "tokenizer has {} tokens, the model {}",
+            tokenizer.vocab_size(),
+            config.vocab_size
+        )));
+    }
+    let template = file.chat_template();
+    let model = Model::load(config, &mut file, options.weights, &device)?;
+    let chat_template = compile_template(template, &tokenizer)?;
+    Ok(LoadedModel { model, tokenizer, chat_template })
+}
+
+fn compile_template(source: Option<String>, tokenizer: &Tokenizer) -> Result<Option<ChatTemplate>> {
+    let text_of = |id: Option<u32>| id.and_then(|i| tokenizer.id_to_token(i)).unwrap_or_default();
+    source
+        .map(|s| ChatTemplate::new(&s, &text_of(tokenizer.bos_id()), &text_of(tokenizer.eos_ids().first().copied())))
+        .transpose()
+}
+
+/// A finished single-sequence generation.
+#[derive(Debug)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub finish: FinishReason,
+    /// The sequence's KV (prompt and generated tokens but the last one).
+    pub kv: SequenceKv,
+}
+
+/// Model + KV cache + block pool.
+#[derive(Debug)]
+pub struct Engine {
+    model: Model,
+    tokenizer: Tokenizer,
+    chat_template: Option<ChatTemplate>,
+    cache: KvCache,
+    blocks: BlockManager,
+}
+
+impl Engine {
+    pub fn new(loaded: LoadedModel, cache: CacheConfig) -> Result<Self> {
+        let kv = KvCache::new(loaded.model.config(), &cache, loaded.model.device())?;
+        Ok(Engine {
+            blocks: kv.block_manager(),
+            cache: kv,
+            model: loaded.model,
+            tokenizer: loaded.tokenizer,
+            chat_template: loaded.chat_template,
+        })
+    }
+
+    pub fn load(path: &Path, options: LoadOptions, cache: CacheConfig) -> Result<Self> {
+        Engine::new(load_model(path, options)?, cache)
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
+    pub fn blocks(&self) -> &BlockManager {
+        &self.blocks
+    }
+
+    /// An empty sequence; blocks are taken as it grows.
+    pub fn new_sequence(&self) -> SequenceKv {
+        SequenceKv::new(self.blocks.empty_allocation())
+    }
+
+    /// Prompt tokens for a chat, rendered with the model's template.
+    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        let template = self
+            .chat_template
+            .as_ref()
+            .ok_or_else(|| EngineError::ChatTemplate("the model has no chat template".into()))?;
+        self.tokenizer.encode(&template.render(messages, true)?)
+    }
+
+    /// The model's chat template, if it has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat_template.as_ref()
+    }
+
+    /// One batched step (see `Model::forward`).
+    pub fn forward(&self, batch: &mut [BatchSeq<'_>]) -> Result<Tensor> {
+        self.model.forward(&self.cache, batch)
+    }
+
+    /// Runs `tokens` into `kv` in chunks of at most `chunk` tokens; returns the `[vocab]`
+    /// logits after the last one.
+    pub fn prefill(&self, kv: &mut SequenceKv, tokens: &[u32], chunk: usize) -> Result<Tensor> {
+        if tokens.is_empty() {
+            return Err(EngineError::InvalidBatch("empty prompt".into()));
+        }
+        let max = self.model.config().max_position;
+        if kv.len() + tokens.len() > max {
+            return Err(EngineError::ContextOverflow { tokens: kv.len() + tokens.len(), max });
+        }
+        let chunk = chunk.max(1);
+        let mut logits = None;
+        let pieces = tokens.chunks(chunk);
+        let last = pieces.len() - 1;
+        for (i, piece) in pieces.enumerate() {
+            let out = self.forward(&mut [BatchSeq { tokens: piece, kv, want_logits: i == last }])?;
+            if i == last {
+                logits = Some(out.squeeze(0)?);
+            }
+        }
+        logits.ok_or_else(|| EngineError::InvalidBatch("empty prompt".into()))
+    }
+
+    /// Generates from `prompt` in a fresh sequence, calling `on_token` for every token.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        params: &SamplingParams,
+        chunk: usize,
+        mut on_token: impl FnMut(&TokenOutput),
+    ) -> Result<Generation> {
+        let mut kv = self.new_sequence();
+        let logits = self.prefill(&mut kv, prompt, chunk)?;
+        self.continue_generation(kv, logits, params, &mut on_token)
+    }
+
+    /// Generates from a sequence whose KV holds the prompt and whose next-token logits are
+    /// `logits` (after a prefill here, or an import from another process).
+    pub fn continue_generation(
+        &self,
+        mut kv: SequenceKv,
+        mut logits: Tensor,
+        params: &SamplingParams,
+        on_token: &mut impl FnMut(&TokenOutput),
+    ) -> Result<Generation> {
+        let mut sampler = Sampler::new(params)?;
+        let mut tracker = OutputTracker::new(params.clone(), &self.tokenizer);
+        loop {
+            let token = sampler.sample(&logits)?;
+            let out = tracker.push(token, &self.tokenizer)?;
+            on_token(&out);
+            if let Some(finish) = out.finish {
+                return Ok(Generation {
+                    tokens: tracker.generated().to_vec(),
+                    text: tracker.text().to_string(),
+                    finish,
+                    kv,
+                });
+            }
+            logits = self
+                .forward(&mut [BatchSeq { tokens: &[token], kv: &mut kv, want_logits: true }])?
+                .squeeze(0)?;
+        }
+    }
+
+    /// `kv`'s K/V for `layers` as bytes.
+    pub fn export_kv(&self, kv: &SequenceKv, layers: Range<usize>, dtype: WireDType) -> Result<Vec<u8>> {
+        export::export_kv(&self.model, &self.cache, kv, layers, dtype)
+    }
+
+    /// A new sequence holding the KV in `bytes` (all layers).
+    pub fn import_kv(&self, bytes: &[u8]) -> Result<SequenceKv> {
+        export::import_kv(&self.model, &self.cache, &self.blocks, bytes)
+    }
+}

@@ -1,0 +1,150 @@
+//! The paged KV cache tensors and the per-sequence view of them.
+//!
+//! Per layer one K and one V tensor shaped `[num_blocks * block_size, num_kv_heads * head_dim]`
+//! (the `[num_blocks, block_size, n_kv_heads, head_dim]` layout, flattened to slots), f32, on
+//! the model's device. The cache never owns bookkeeping: which slots belong to whom is decided
+//! by `BlockManager` allocations, carried by `SequenceKv`.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::blocks::{BlockAllocation, BlockId, BlockManager};
+use crate::config::{CacheConfig, ModelConfig};
+use crate::error::{EngineError, Result};
+
+/// K and V storage for every layer.
+#[derive(Debug)]
+pub struct KvCache {
+    /// (K, V) per layer, each `[num_slots, kv_width]` f32.
+    layers: Vec<(Tensor, Tensor)>,
+    block_size: usize,
+    num_blocks: usize,
+    kv_width: usize,
+}
+
+impl KvCache {
+    /// Allocates a zeroed cache for `model` with `config`'s geometry on `device`.
+    pub fn new(model: &ModelConfig, config: &CacheConfig, device: &Device) -> Result<Self> {
+        config.validate()?;
+        let slots = config.num_blocks * config.block_size;
+        let kv_width = model.kv_width();
+        let layers = (0..model.num_layers)
+            .map(|_| {
+                Ok((
+                    Tensor::zeros((slots, kv_width), DType::F32, device)?,
+                    Tensor::zeros((slots, kv_width), DType::F32, device)?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(KvCache {
+            layers,
+            block_size: config.block_size,
+            num_blocks: config.num_blocks,
+            kv_width,
+        })
+    }
+
+    /// A block manager whose ids address this cache.
+    pub fn block_manager(&self) -> BlockManager {
+        BlockManager::new(self.num_blocks, self.block_size)
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    pub fn kv_width(&self) -> usize {
+        self.kv_width
+    }
+
+    /// (K, V) of one layer.
+    pub fn layer(&self, layer: usize) -> (&Tensor, &Tensor) {
+        let (k, v) = &self.layers[layer];
+        (k, v)
+    }
+
+    /// Writes rows of `k` and `v` (`[n, kv_width]`) into slots. `slot_index` is `[n, kv_width]`
+    /// u32, every row filled with its destination slot (scatter along dim 0, in place).
+    pub(crate) fn write(&self, layer: usize, slot_index: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
+        let (k_cache, v_cache) = &self.layers[layer];
+        k_cache.scatter_set(slot_index, &k.contiguous()?, 0)?;
+        v_cache.scatter_set(slot_index, &v.contiguous()?, 0)?;
+        Ok(())
+    }
+
+    /// Rows of K and V at `slots` (`[n]` u32), each `[n, kv_width]`.
+    pub(crate) fn gather(&self, layer: usize, slots: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (k_cache, v_cache) = &self.layers[layer];
+        Ok((k_cache.index_select(slots, 0)?, v_cache.index_select(slots, 0)?))
+    }
+
+    /// Checks that `blocks` all address this cache.
+    pub(crate) fn check_blocks(&self, blocks: &[BlockId]) -> Result<()> {
+        match blocks.iter().find(|&&b| b as usize >= self.num_blocks) {
+            Some(b) => Err(EngineError::InvalidBatch(format!(
+                "block {b} is outside the cache of {} blocks",
+                self.num_blocks
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// One sequence's KV: the blocks it owns and how many token positions hold valid K/V.
+#[derive(Debug)]
+pub struct SequenceKv {
+    blocks: BlockAllocation,
+    /// Positions 0..len are computed (or imported) in every layer.
+    len: usize,
+}
+
+impl SequenceKv {
+    /// A sequence with no tokens yet over `blocks` (which may be pre-reserved).
+    pub fn new(blocks: BlockAllocation) -> Self {
+        SequenceKv { blocks, len: 0 }
+    }
+
+    /// Tokens whose K/V are in the cache.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn blocks(&self) -> &BlockAllocation {
+        &self.blocks
+    }
+
+    pub(crate) fn blocks_mut(&mut self) -> &mut BlockAllocation {
+        &mut self.blocks
+    }
+
+    /// Marks positions 0..len as valid. Call only once they were written in every layer
+    /// (the model does this after a forward; KV import callers after the last layer).
+    pub fn commit_len(&mut self, len: usize) {
+        self.len = len;
+    }
+
+    /// Cache slots of positions `start..end`; the blocks must cover them.
+    pub(crate) fn slots(&self, start: usize, end: usize) -> Result<Vec<u32>> {
+        (start..end)
+            .map(|pos| {
+                self.blocks.slot(pos).map(|s| s as u32).ok_or_else(|| {
+                    EngineError::InvalidBatch(format!(
+                        "position {pos} is beyond the sequence's {} reserved tokens",
+                        self.blocks.capacity_tokens()
+                    ))
+                })
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,29 @@
+//! pd-engine: Llama-family inference on candle for a disaggregated server.
+//!
+//! What it gives the workers: a model whose KV cache is external and paged (`kv`), a forward
+//! pass that batches prefill chunks and decode steps of sequences at different positions
+//! (`model`), KV export/import as bytes with a compatibility header (`kv::export`), the
+//! tokenizer and chat template of the checkpoint, and sampling with stop conditions.
+//! No async runtime and no networking live here.
+
+mod attention;
+pub mod chat;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod kv;
+pub mod loader;
+pub mod model;
+pub mod sampling;
+pub mod tokenizer;
+
+pub use chat::{ChatMessage, ChatTemplate};
+pub use config::{set_compute_threads, CacheConfig, DeviceKind, LoadOptions, ModelConfig, RopeStyle, WeightFormat};
+pub use engine::{load_model, Engine, Generation, LoadedModel};
+pub use error::{EngineError, Result};
+pub use kv::blocks::{BlockAllocation, BlockId, BlockManager};
+pub use kv::cache::{KvCache, SequenceKv};
+pub use kv::export::{KvHeader, WireDType};
+pub use model::{BatchSeq, Model};
+pub use sampling::{FinishReason, OutputTracker, Sampler, SamplingParams, TokenOutput};
+pub use tokenizer::Tokenizer;

@@ -1,0 +1,41 @@
+//! Reading checkpoints: GGUF files (`gguf`) and Hugging Face folders (`hf`). Both hand the
+//! model builder tensors under GGUF's names through `TensorSource`, plus a `ModelConfig`,
+//! a tokenizer and an optional chat template.
+
+pub mod gguf;
+pub mod hf;
+
+use candle_core::quantized::QTensor;
+use candle_core::Tensor;
+
+use crate::error::Result;
+
+/// A weight as stored: block-quantized or dense.
+#[derive(Debug)]
+pub enum RawTensor {
+    Quant(QTensor),
+    Dense(Tensor),
+}
+
+impl RawTensor {
+    pub fn dims(&self) -> Vec<usize> {
+        match self {
+            RawTensor::Quant(q) => q.shape().dims().to_vec(),
+            RawTensor::Dense(t) => t.dims().to_vec(),
+        }
+    }
+
+    /// The weight as f32 on its device.
+    pub fn dequantize(&self) -> Result<Tensor> {
+        Ok(match self {
+            RawTensor::Quant(q) => q.dequantize(&q.device())?,
+            RawTensor::Dense(t) => t.to_dtype(candle_core::DType::F32)?,
+        })
+    }
+}
+
+/// Hands out a checkpoint's tensors by their GGUF names (`blk.0.attn_q.weight`, ...).
+pub trait TensorSource {
+    /// The tensor, or `None` when the checkpoint does not have it.
+    fn take(&mut self, name: &str) -> Result<Option<RawTensor>>;
+}

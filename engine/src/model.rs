@@ -1,0 +1,346 @@
+//! The Llama forward pass over an external paged KV cache, in candle's order: config, small
+//! blocks with `load`, then the model. The cache is passed in, never owned by the weights.
+//!
+//! One `forward` call runs a batch whose rows are the new tokens of several sequences, each at
+//! its own position: prefill chunks (many rows) and decode steps (one row) mix freely. Every
+//! projection runs once over all rows (weights are read once per step); only attention is per
+//! sequence. Logits are computed only for the last row of sequences that ask for them.
+
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+
+use crate::attention::{paged_attention, Heads, SeqPlan};
+use crate::config::{ModelConfig, RopeStyle, WeightFormat};
+use crate::error::{EngineError, Result};
+use crate::kv::cache::{KvCache, SequenceKv};
+use crate::loader::{RawTensor, TensorSource};
+
+/// A projection `x @ W^T`. Dense weights are stored transposed (`[in, out]`, contiguous) so
+/// the matmul reads them in place: a transposed view would make candle copy the whole weight
+/// on every call once there is more than one row.
+#[derive(Debug)]
+enum Linear {
+    Dense { weight_t: Tensor },
+    Quant(QMatMul),
+}
+
+impl Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Linear::Dense { weight_t } => x.matmul(weight_t)?,
+            Linear::Quant(q) => q.forward(x)?,
+        })
+    }
+}
+
+/// One decoder layer's weights. Q/K/V and gate/up are fused into one matmul each.
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Tensor,
+    qkv: Linear,
+    out: Linear,
+    ffn_norm: Tensor,
+    gate_up: Linear,
+    down: Linear,
+}
+
+/// A sequence's share of a forward batch.
+#[derive(Debug)]
+pub struct BatchSeq<'a> {
+    /// New tokens to run (a prefill chunk, or the one token of a decode step).
+    pub tokens: &'a [u32],
+    /// The sequence's KV; grows by `tokens.len()` on success.
+    pub kv: &'a mut SequenceKv,
+    /// Whether the logits after the last new token are wanted.
+    pub want_logits: bool,
+}
+
+/// Llama-family model weights and rotary tables.
+#[derive(Debug)]
+pub struct Model {
+    config: ModelConfig,
+    /// Dense token embeddings `[vocab, hidden]` for lookups.
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Linear,
+    /// `[max_position, head_dim / 2]` rotary tables.
+    cos: Tensor,
+    sin: Tensor,
+    device: Device,
+    /// Identifies model + weight format, so KV from another model is refused.
+    fingerprint: u64,
+}
+
+impl Model {
+    /// Builds the model from a checkpoint's tensors.
+    pub fn load(
+        config: ModelConfig,
+        source: &mut dyn TensorSource,
+        format: WeightFormat,
+        device: &Device,
+    ) -> Result<Self> {
+        config.validate()?;
+        let c = &config;
+        let (hidden, kv_width) = (c.hidden_size, c.kv_width());
+        let q_width = c.num_heads * c.head_dim;
+        let embed_raw = required(source, "token_embd.weight", &[c.vocab_size, hidden])?;
+        let embed = embed_raw.dequantize()?.to_device(device)?;
+        let norm = dense_vector(required(source, "output_norm.weight", &[hidden])?, device)?;
+        let lm_head = match source.take("output.weight")? {
+            Some(w) => {
+                check_shape("output.weight", &w, &[c.vocab_size, hidden])?;
+                linear(vec![w], format, device)?
+            }
+            None => linear(vec![embed_raw], format, device)?,
+        };
+        let mut fingerprint_data = format!("{config:?}|{format:?}").into_bytes();
+        fingerprint_data.extend(norm.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()));
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let name = |part: &str| format!("blk.{i}.{part}.weight");
+            let mut req = |part: &str, shape: &[usize]| required(source, &name(part), shape);
+            let attn_norm = dense_vector(req("attn_norm", &[hidden])?, device)?;
+            let q = req("attn_q", &[q_width, hidden])?;
+            let k = req("attn_k", &[kv_width, hidden])?;
+            let v = req("attn_v", &[kv_width, hidden])?;
+            let out = req("attn_output", &[hidden, q_width])?;
+            let ffn_norm = dense_vector(req("ffn_norm", &[hidden])?, device)?;
+            let gate = req("ffn_gate", &[c.intermediate_size, hidden])?;
+            let up = req("ffn_up", &[c.intermediate_size, hidden])?;
+            let down = req("ffn_down", &[hidden, c.intermediate_size])?;
+            if i == 0 {
+                fingerprint_data.extend(attn_norm.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()));
+            }
+            layers.push(Layer {
+                attn_norm,
+                qkv: linear(vec![q, k, v], format, device)?,
+                out: linear(vec![out], format, device)?,
+                ffn_norm,
+                gate_up: linear(vec![gate, up], format, device)?,
+                down: linear(vec![down], format, device)?,
+            });
+        }
+        let (cos, sin) = rope_tables(c, device)?;
+        Ok(Model {
+            fingerprint: fnv1a64(&fingerprint_data),
+            config,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            cos,
+            sin,
+            device: device.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Model identity for KV compatibility checks.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    /// Runs one step over `batch` and returns `[n, vocab]` logits, one row per sequence with
+    /// `want_logits`, in batch order. Each sequence's KV grows by its tokens; on error no
+    /// sequence's length changes (blocks it grew into stay owned by it and are freed with it).
+    pub fn forward(&self, cache: &KvCache, batch: &mut [BatchSeq<'_>]) -> Result<Tensor> {
+        let c = &self.config;
+        if batch.is_empty() {
+            return Err(EngineError::InvalidBatch("empty batch".into()));
+        }
+        if cache.num_layers() != c.num_layers || cache.kv_width() != c.kv_width() {
+            return Err(EngineError::InvalidBatch(
+                "KV cache geometry does not match the model".into(),
+            ));
+        }
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        let mut plans = Vec::with_capacity(batch.len());
+        let mut logit_rows = Vec::new();
+        for seq in batch.iter_mut() {
+            let n = seq.tokens.len();
+            if n == 0 {
+                return Err(EngineError::InvalidBatch("a sequence has no new tokens".into()));
+            }
+            if let Some(&bad) = seq.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                return Err(EngineError::InvalidBatch(format!(
+                    "token id {bad} is outside the vocabulary of {}",
+                    c.vocab_size
+                )));
+            }
+            let start = seq.kv.len();
+            let end = start + n;
+            if end > c.max_position {
+                return Err(EngineError::ContextOverflow {
+                    tokens: end,
+                    max: c.max_position,
+                });
+            }
+            seq.kv.blocks_mut().ensure_tokens(end)?;
+            cache.check_blocks(seq.kv.blocks().ids())?;
+            plans.push(SeqPlan {
+                row_start: ids.len(),
+                rows: n,
+                start_pos: start,
+                slots: seq.kv.slots(0, end)?,
+            });
+            ids.extend_from_slice(seq.tokens);
+            positions.extend((start..end).map(|p| p as u32));
+            if seq.want_logits {
+                logit_rows.push((ids.len() - 1) as u32);
+            }
+        }
+        let rows = ids.len();
+        let dev = &self.device;
+        let ids = Tensor::from_vec(ids, rows, dev)?;
+        let positions = Tensor::from_vec(positions, rows, dev)?;
+        let half = c.head_dim / 2;
+        let cos = self.cos.index_select(&positions, 0)?.reshape((rows, 1, half))?;
+        let sin = self.sin.index_select(&positions, 0)?.reshape((rows, 1, half))?;
+        let new_slots: Vec<u32> = plans
+            .iter()
+            .flat_map(|p| p.slots[p.start_pos..p.start_pos + p.rows].iter().copied())
+            .flat_map(|s| std::iter::repeat_n(s, c.kv_width()))
+            .collect();
+        let slot_index = Tensor::from_vec(new_slots, (rows, c.kv_width()), dev)?;
+        let heads = Heads {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        };
+        let (q_width, kv_width) = (c.num_heads * c.head_dim, c.kv_width());
+        let eps = c.rms_norm_eps as f32;
+
+        let mut x = self.embed.index_select(&ids, 0)?;
+        for (layer_idx, layer) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
+            let qkv = layer.qkv.forward(&h)?;
+            let q = self.rope(&qkv.narrow(1, 0, q_width)?, c.num_heads, &cos, &sin)?;
+            let k = self.rope(&qkv.narrow(1, q_width, kv_width)?, c.num_kv_heads, &cos, &sin)?;
+            let v = qkv.narrow(1, q_width + kv_width, kv_width)?;
+            cache.write(layer_idx, &slot_index, &k, &v)?;
+            let attn = paged_attention(&q, cache, layer_idx, &plans, heads)?;
+            x = (x + layer.out.forward(&attn)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+            let gate_up = layer.gate_up.forward(&h)?;
+            let ffn = c.intermediate_size;
+            let act = (candle_nn::ops::silu(&gate_up.narrow(1, 0, ffn)?)? * gate_up.narrow(1, ffn, ffn)?)?;
+            x = (x + layer.down.forward(&act)?)?;
+        }
+        for (seq, plan) in batch.iter_mut().zip(&plans) {
+            seq.kv.commit_len(plan.start_pos + plan.rows);
+        }
+        if logit_rows.is_empty() {
+            return Ok(Tensor::zeros((0, c.vocab_size), DType::F32, dev)?);
+        }
+        let n = logit_rows.len();
+        let last = x.index_select(&Tensor::from_vec(logit_rows, n, dev)?, 0)?;
+        let last = candle_nn::ops::rms_norm(&last, &self.norm, eps)?;
+        Ok(self.lm_head.forward(&last)?)
+    }
+
+    /// Applies rotary embeddings to `[rows, heads * head_dim]`.
+    fn rope(&self, x: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let (rows, width) = x.dims2()?;
+        let x = x.reshape((rows, heads, 1, width / heads))?;
+        let y = match self.config.rope_style {
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, cos, sin)?,
+            RopeStyle::Halves => candle_nn::rotary_emb::rope(&x, cos, sin)?,
+        };
+        Ok(y.reshape((rows, width))?)
+    }
+}
+
+fn rope_tables(c: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
+    let half = c.head_dim / 2;
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| 1.0 / c.rope_theta.powf(2.0 * i as f32 / c.head_dim as f32))
+        .collect();
+    let inv_freq = Tensor::from_vec(inv_freq, (1, half), device)?;
+    let pos = Tensor::arange(0u32, c.max_position as u32, device)?
+        .to_dtype(DType::F32)?
+        .reshape((c.max_position, 1))?;
+    let angles = pos.broadcast_mul(&inv_freq)?;
+    Ok((angles.cos()?, angles.sin()?))
+}
+
+fn check_shape(name: &str, t: &RawTensor, expected: &[usize]) -> Result<()> {
+    let got = t.dims();
+    if got != expected {
+        return Err(EngineError::TensorShape {
+            name: name.to_string(),
+            got,
+            expected: expected.to_vec(),
+        });
+    }
+    Ok(())
+}
+
+fn required(source: &mut dyn TensorSource, name: &str, shape: &[usize]) -> Result<RawTensor> {
+    let t = source
+        .take(name)?
+        .ok_or_else(|| EngineError::MissingTensor(name.to_string()))?;
+    check_shape(name, &t, shape)?;
+    Ok(t)
+}
+
+fn dense_vector(t: RawTensor, device: &Device) -> Result<Tensor> {
+    Ok(t.dequantize()?.to_device(device)?)
+}
+
+/// Candle's Q8_0 block width: quantizing needs the input width to be a multiple of it.
+const Q8_0_BLOCK: usize = 32;
+
+/// One matmul whose output rows are `parts` stacked (all `[rows_i, k]`).
+fn linear(parts: Vec<RawTensor>, format: WeightFormat, device: &Device) -> Result<Linear> {
+    let k = parts[0].dims()[1];
+    let all_quant_dtype = match parts.as_slice() {
+        [RawTensor::Quant(first), rest @ ..] => rest
+            .iter()
+            .all(|p| matches!(p, RawTensor::Quant(q) if q.dtype() == first.dtype()))
+            .then(|| first.dtype()),
+        _ => None,
+    };
+    let keep_stored = match (format, all_quant_dtype) {
+        (WeightFormat::Stored, Some(_)) => true,
+        (WeightFormat::Q8, Some(GgmlDType::Q8_0)) => true,
+        _ => false,
+    };
+    if keep_stored {
+        let dtype = all_quant_dtype.unwrap_or(GgmlDType::Q8_0);
+        let rows: usize = parts.iter().map(|p| p.dims()[0]).sum();
+        let mut bytes = Vec::new();
+        for part in &parts {
+            if let RawTensor::Quant(q) = part {
+                bytes.extend_from_slice(&q.data()?);
+            }
+        }
+        let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), device, dtype)?;
+        return Ok(Linear::Quant(QMatMul::from_qtensor(QTensor::new(storage, (rows, k))?)?));
+    }
+    let dense = parts
+        .iter()
+        .map(|p| Ok(p.dequantize()?.to_device(device)?))
+        .collect::<Result<Vec<_>>>()?;
+    let dense = Tensor::cat(&dense, 0)?;
+    if format == WeightFormat::Q8 && k % Q8_0_BLOCK == 0 {
+        Ok(Linear::Quant(QMatMul::from_qtensor(QTensor::quantize(&dense, GgmlDType::Q8_0)?)?))
+    } else {
+        Ok(Linear::Dense { weight_t: dense.t()?.contiguous()? })
+    }
+}
+
+/// FNV-1a, 64 bit: a stable fingerprint without extra dependencies.
+pub(crate) fn fnv1a64(data: &[u8]) -> u64 {
+    data.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
+        (hash ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
