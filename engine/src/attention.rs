@@ -23,6 +23,43 @@ pub(crate) struct SeqPlan {
     pub start_pos: usize,
     /// Cache slots of positions 0 .. start_pos + rows.
     pub slots: Vec<u32>,
+    /// For the gather path: the slots as a tensor and the causal mask, built once per step
+    /// and shared by every layer.
+    gather: Option<GatherInputs>,
+}
+
+#[derive(Debug, Clone)]
+struct GatherInputs {
+    slots: Tensor,
+    /// `[1, group * rows, ctx]`: 0 where a query may attend, -inf elsewhere.
+    mask: Tensor,
+}
+
+impl SeqPlan {
+    pub fn new(row_start: usize, rows: usize, start_pos: usize, slots: Vec<u32>, heads: Heads, device: &Device) -> Result<Self> {
+        let mut plan = SeqPlan { row_start, rows, start_pos, slots, gather: None };
+        if !plan.uses_direct_kernel(device) {
+            let ctx = start_pos + rows;
+            let group = heads.num_heads / heads.num_kv_heads;
+            // Row r of a group is query i = r % rows at position start_pos + i; it sees keys j <= that.
+            let mask: Vec<f32> = (0..group * rows)
+                .flat_map(|r| {
+                    let visible = start_pos + r % rows;
+                    (0..ctx).map(move |j| if j <= visible { 0.0 } else { f32::NEG_INFINITY })
+                })
+                .collect();
+            plan.gather = Some(GatherInputs {
+                slots: Tensor::from_slice(&plan.slots[..ctx], ctx, device)?,
+                mask: Tensor::from_vec(mask, (1, group * rows, ctx), device)?,
+            });
+        }
+        Ok(plan)
+    }
+
+    /// Decode rows on CPU read the cache in place; everything else gathers.
+    fn uses_direct_kernel(&self, device: &Device) -> bool {
+        self.rows == 1 && matches!(device, Device::Cpu)
+    }
 }
 
 /// Head geometry the kernels need.
@@ -42,11 +79,11 @@ pub(crate) fn paged_attention(
     plans: &[SeqPlan],
     heads: Heads,
 ) -> Result<Tensor> {
-    let on_cpu = matches!(q.device(), Device::Cpu);
+    let device = q.device();
     let decode_rows: Vec<usize> = plans
         .iter()
         .enumerate()
-        .filter(|(_, p)| p.rows == 1 && on_cpu)
+        .filter(|(_, p)| p.uses_direct_kernel(device))
         .map(|(i, _)| i)
         .collect();
     let mut decoded = if decode_rows.is_empty() {
@@ -57,7 +94,7 @@ pub(crate) fn paged_attention(
     .into_iter();
     let mut parts = Vec::with_capacity(plans.len());
     for plan in plans {
-        if plan.rows == 1 && on_cpu {
+        if plan.uses_direct_kernel(device) {
             let row = decoded
                 .next()
                 .ok_or_else(|| EngineError::InvalidBatch("decode rows out of step".into()))?;
@@ -86,9 +123,11 @@ fn gathered_attention(
     let group = num_heads / num_kv_heads;
     let n = plan.rows;
     let ctx = plan.start_pos + n;
-    let device = q.device();
-    let slots = Tensor::from_slice(&plan.slots[..ctx], ctx, device)?;
-    let (k, v) = cache.gather(layer, &slots)?;
+    let inputs = plan
+        .gather
+        .as_ref()
+        .ok_or_else(|| EngineError::InvalidBatch("gather inputs missing from the plan".into()))?;
+    let (k, v) = cache.gather(layer, &inputs.slots)?;
     // [ctx, kvh*hd] -> [kvh, ctx, hd]
     let k = k.reshape((ctx, num_kv_heads, head_dim))?.transpose(0, 1)?.contiguous()?;
     let v = v.reshape((ctx, num_kv_heads, head_dim))?.transpose(0, 1)?.contiguous()?;
@@ -100,15 +139,7 @@ fn gathered_attention(
         .reshape((num_kv_heads, group * n, head_dim))?;
     let scale = 1.0 / (head_dim as f64).sqrt();
     let scores = (q.matmul(&k.t()?)? * scale)?;
-    // Row r of a group is query i = r % n at position start_pos + i; it sees keys j <= that.
-    let mask: Vec<f32> = (0..group * n)
-        .flat_map(|r| {
-            let visible = plan.start_pos + r % n;
-            (0..ctx).map(move |j| if j <= visible { 0.0 } else { f32::NEG_INFINITY })
-        })
-        .collect();
-    let mask = Tensor::from_vec(mask, (1, group * n, ctx), device)?;
-    let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
+    let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&inputs.mask)?)?;
     let out = probs.matmul(&v)?; // [kvh, group*n, hd]
     Ok(out
         .reshape((num_heads, n, head_dim))?
@@ -251,11 +282,18 @@ mod tests {
         cache.write(0, &index, &k, &v)?;
         // 11 positions over blocks 5, 2, 7 (scattered, last one partly used).
         let slots: Vec<u32> = (0..11u32).map(|p| [5u32, 2, 7][(p / 4) as usize] * 4 + p % 4).collect();
-        let plan = SeqPlan { row_start: 0, rows: 1, start_pos: 10, slots };
         let heads = Heads { num_heads: 4, num_kv_heads: 2, head_dim: 8 };
+        let plan = SeqPlan::new(0, 1, 10, slots.clone(), heads, &Device::Cpu)?;
+        // The same rows through the gather path (as a non-CPU device would run them).
+        let mut gather_plan = SeqPlan::new(0, 2, 9, slots, heads, &Device::Cpu)?;
+        gather_plan.rows = 1;
+        gather_plan.start_pos = 10;
+        let ctx = 11;
+        let mask = Tensor::zeros((1, 2, ctx), candle_core::DType::F32, &Device::Cpu)?;
+        gather_plan.gather = Some(GatherInputs { slots: Tensor::from_slice(&gather_plan.slots, ctx, &Device::Cpu)?, mask });
         let q = Tensor::randn(0f32, 1.0, (1, 32), &Device::Cpu)?;
         let direct = paged_attention(&q, &cache, 0, std::slice::from_ref(&plan), heads)?;
-        let gathered = gathered_attention(&q, &cache, 0, &plan, heads)?;
+        let gathered = gathered_attention(&q, &cache, 0, &gather_plan, heads)?;
         let diff = (direct - gathered)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff < 1e-5, "max difference {diff}");
         Ok(())

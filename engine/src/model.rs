@@ -161,6 +161,11 @@ impl Model {
                 "KV cache geometry does not match the model".into(),
             ));
         }
+        let heads = Heads {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        };
         let mut ids = Vec::new();
         let mut positions = Vec::new();
         let mut plans = Vec::with_capacity(batch.len());
@@ -186,12 +191,7 @@ impl Model {
             }
             seq.kv.blocks_mut().ensure_tokens(end)?;
             cache.check_blocks(seq.kv.blocks().ids())?;
-            plans.push(SeqPlan {
-                row_start: ids.len(),
-                rows: n,
-                start_pos: start,
-                slots: seq.kv.slots(0, end)?,
-            });
+            plans.push(SeqPlan::new(ids.len(), n, start, seq.kv.slots(0, end)?, heads, &self.device)?);
             ids.extend_from_slice(seq.tokens);
             positions.extend((start..end).map(|p| p as u32));
             if seq.want_logits {
@@ -211,11 +211,6 @@ impl Model {
             .flat_map(|s| std::iter::repeat_n(s, c.kv_width()))
             .collect();
         let slot_index = Tensor::from_vec(new_slots, (rows, c.kv_width()), dev)?;
-        let heads = Heads {
-            num_heads: c.num_heads,
-            num_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-        };
         let (q_width, kv_width) = (c.num_heads * c.head_dim, c.kv_width());
         let eps = c.rms_norm_eps as f32;
 
