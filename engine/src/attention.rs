@@ -167,18 +167,21 @@ fn decode_on_cpu(
     let k_all = &k_cpu.as_slice::<f32>()?[k_layout.start_offset()..];
     let v_all = &v_cpu.as_slice::<f32>()?[v_layout.start_offset()..];
     let width = heads.num_heads * heads.head_dim;
-    let rows = which
-        .par_iter()
-        .map(|&i| {
-            let plan = &plans[i];
-            let q_row = &q_all[plan.row_start * width..(plan.row_start + 1) * width];
-            decode_one(q_row, k_all, v_all, &plan.slots[..plan.start_pos + 1], heads)
-        })
-        .collect();
-    Ok(rows)
+    let one = |&i: &usize| {
+        let plan = &plans[i];
+        let q_row = &q_all[plan.row_start * width..(plan.row_start + 1) * width];
+        decode_one(q_row, k_all, v_all, &plan.slots[..plan.start_pos + 1], heads)
+    };
+    // With one thread, handing work to rayon's pool only adds a thread switch per call.
+    if rayon::current_num_threads() > 1 {
+        Ok(which.par_iter().map(one).collect())
+    } else {
+        Ok(which.iter().map(one).collect())
+    }
 }
 
-/// Attention of one query row over `slots` (its whole context, itself included).
+/// Attention of one query row over `slots` (its whole context, itself included). One pass
+/// over the keys and one over the values, each cache row read once for all heads.
 fn decode_one(q: &[f32], k_all: &[f32], v_all: &[f32], slots: &[u32], heads: Heads) -> Vec<f32> {
     let Heads {
         num_heads,
@@ -189,48 +192,42 @@ fn decode_one(q: &[f32], k_all: &[f32], v_all: &[f32], slots: &[u32], heads: Hea
     let kv_width = num_kv_heads * head_dim;
     let ctx = slots.len();
     let scale = 1.0 / (head_dim as f32).sqrt();
+    // scores[head * ctx + j]
+    let mut scores = vec![0f32; num_heads * ctx];
+    for (j, &slot) in slots.iter().enumerate() {
+        let row = &k_all[slot as usize * kv_width..(slot as usize + 1) * kv_width];
+        for (h, q_head) in q.chunks_exact(head_dim).enumerate() {
+            let g = h / group;
+            scores[h * ctx + j] = dot(q_head, &row[g * head_dim..(g + 1) * head_dim]) * scale;
+        }
+    }
+    for head_scores in scores.chunks_exact_mut(ctx) {
+        softmax_in_place(head_scores);
+    }
     let mut out = vec![0f32; num_heads * head_dim];
-    let mut scores = vec![0f32; group * ctx];
-    for g in 0..num_kv_heads {
-        let q_group = &q[g * group * head_dim..(g + 1) * group * head_dim];
-        for (j, &slot) in slots.iter().enumerate() {
-            let base = slot as usize * kv_width + g * head_dim;
-            let key = &k_all[base..base + head_dim];
-            for h in 0..group {
-                scores[h * ctx + j] = dot(&q_group[h * head_dim..(h + 1) * head_dim], key) * scale;
-            }
-        }
-        for h in 0..group {
-            softmax_in_place(&mut scores[h * ctx..(h + 1) * ctx]);
-        }
-        let out_group = &mut out[g * group * head_dim..(g + 1) * group * head_dim];
-        for (j, &slot) in slots.iter().enumerate() {
-            let base = slot as usize * kv_width + g * head_dim;
-            let value = &v_all[base..base + head_dim];
-            for h in 0..group {
-                let p = scores[h * ctx + j];
-                axpy(p, value, &mut out_group[h * head_dim..(h + 1) * head_dim]);
-            }
+    for (j, &slot) in slots.iter().enumerate() {
+        let row = &v_all[slot as usize * kv_width..(slot as usize + 1) * kv_width];
+        for (h, out_head) in out.chunks_exact_mut(head_dim).enumerate() {
+            let g = h / group;
+            axpy(scores[h * ctx + j], &row[g * head_dim..(g + 1) * head_dim], out_head);
         }
     }
     out
 }
 
-/// Dot product with 8 independent accumulators, so the compiler keeps it in vector registers.
+/// Dot product with 8 independent accumulators over exact chunks, so the compiler keeps it
+/// in one vector register with no bounds checks.
 #[inline]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
+    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = a8.remainder().iter().zip(b8.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in a8.zip(b8) {
         for l in 0..8 {
-            acc[l] += a[c * 8 + l] * b[c * 8 + l];
+            acc[l] += x[l] * y[l];
         }
     }
-    let mut sum: f32 = acc.iter().sum();
-    for i in chunks * 8..a.len() {
-        sum += a[i] * b[i];
-    }
-    sum
+    acc.iter().sum::<f32>() + tail
 }
 
 #[inline]

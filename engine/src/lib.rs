@@ -13,6 +13,7 @@ pub mod engine;
 pub mod error;
 pub mod kv;
 pub mod loader;
+mod matmul;
 pub mod model;
 pub mod sampling;
 pub mod tokenizer;

@@ -14,20 +14,29 @@ use crate::config::{ModelConfig, RopeStyle, WeightFormat};
 use crate::error::{EngineError, Result};
 use crate::kv::cache::{KvCache, SequenceKv};
 use crate::loader::{RawTensor, TensorSource};
+use crate::matmul::small_m_matmul;
 
-/// A projection `x @ W^T`. Dense weights are stored transposed (`[in, out]`, contiguous) so
-/// the matmul reads them in place: a transposed view would make candle copy the whole weight
-/// on every call once there is more than one row.
+/// A projection `x @ W^T`; dense weights are `[out, in]` f32.
 #[derive(Debug)]
 enum Linear {
-    Dense { weight_t: Tensor },
+    Dense { weight: Tensor },
     Quant(QMatMul),
 }
+
+/// Up to this many rows a dense projection on CPU uses the small-batch kernel (weights read
+/// once for all rows); above it, gemm (prefill chunks), which is faster for many rows.
+const SMALL_BATCH_ROWS: usize = 16;
 
 impl Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(match self {
-            Linear::Dense { weight_t } => x.matmul(weight_t)?,
+            Linear::Dense { weight } => {
+                if x.dim(0)? <= SMALL_BATCH_ROWS && matches!(x.device(), Device::Cpu) {
+                    small_m_matmul(x, weight)?
+                } else {
+                    x.matmul(&weight.t()?)?
+                }
+            }
             Linear::Quant(q) => q.forward(x)?,
         })
     }
@@ -329,7 +338,7 @@ fn linear(parts: Vec<RawTensor>, format: WeightFormat, device: &Device) -> Resul
     if format == WeightFormat::Q8 && k % Q8_0_BLOCK == 0 {
         Ok(Linear::Quant(QMatMul::from_qtensor(QTensor::quantize(&dense, GgmlDType::Q8_0)?)?))
     } else {
-        Ok(Linear::Dense { weight_t: dense.t()?.contiguous()? })
+        Ok(Linear::Dense { weight: dense })
     }
 }
 

@@ -4,6 +4,11 @@
 //! count (`--threads`); compare numbers from one run, these machines are noisy.
 
 use std::path::PathBuf;
+
+/// Reuses freed memory instead of returning it to the kernel: the forward pass allocates
+/// large short-lived buffers, which glibc maps fresh (and the kernel zeroes) every time.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::time::Instant;
 
 use anyhow::Context;
