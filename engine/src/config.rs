@@ -112,10 +112,14 @@ impl DeviceKind {
 /// How weights are kept in memory after loading.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightFormat {
-    /// Dequantize to f32 and multiply with exact f32 activations (gemm). The default: it
-    /// follows the checkpoint most closely (Q8 activation rounding flips near-ties) and is the
-    /// fastest prefill on CPU; costs 4 bytes per weight of memory bandwidth in decode.
+    /// Dequantize to f32 and multiply with exact f32 activations: follows the checkpoint most
+    /// closely; costs 4 bytes per weight of memory traffic in decode.
     F32,
+    /// The default. Dequantize to f16 (half the memory traffic of F32, and decode is bound by
+    /// it) and widen to f32 for the arithmetic: only the weights are rounded, to 11
+    /// significant bits, while activations stay f32 (Q8's 8-bit activation rounding flips
+    /// near-ties). CPU only; on other devices it falls back to F32.
+    F16,
     /// Re-quantize to Q8_0 so candle's SIMD quantized kernels apply: a quarter of the memory
     /// traffic of F32 in decode, but activations are rounded to 8 bits.
     Q8,
@@ -129,10 +133,11 @@ impl std::str::FromStr for WeightFormat {
     fn from_str(s: &str) -> Result<Self> {
         match s {
             "f32" => Ok(WeightFormat::F32),
+            "f16" => Ok(WeightFormat::F16),
             "q8" => Ok(WeightFormat::Q8),
             "stored" => Ok(WeightFormat::Stored),
             other => Err(EngineError::Config(format!(
-                "weight format `{other}` is not one of f32, q8, stored"
+                "weight format `{other}` is not one of f32, f16, q8, stored"
             ))),
         }
     }
@@ -149,7 +154,7 @@ impl Default for LoadOptions {
     fn default() -> Self {
         LoadOptions {
             device: DeviceKind::Cpu,
-            weights: WeightFormat::F32,
+            weights: WeightFormat::F16,
         }
     }
 }

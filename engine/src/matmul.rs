@@ -1,4 +1,5 @@
-//! `x @ W^T` for the few rows of a decode step, on CPU, with f32 weights.
+//! `x @ W^T` for the few rows of a decode step, on CPU, with f32 or f16 weights (f16 is
+//! widened to f32 as it is loaded; the arithmetic is f32 either way).
 //!
 //! A general gemm packs the weight matrix on every call, so with 1-16 rows it costs about as
 //! much per row as a whole matrix pass: a batch of 4 took 4x the time of 1. This kernel reads
@@ -6,7 +7,8 @@
 //! keeps 4 rows x 8 lanes of partial sums in registers. Each output's summation order depends
 //! only on its own row, so a sequence gets the same numbers alone or in any batch.
 
-use candle_core::{Storage, Tensor};
+use candle_core::{DType, Storage, Tensor};
+use half::f16;
 use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
@@ -20,7 +22,43 @@ const LANES: usize = 8;
 /// Outputs per parallel task.
 const OUTPUTS_PER_TASK: usize = 64;
 
-/// `x` `[m, k]` times `weight` `[n, k]` transposed, as `[m, n]`. Both f32 on CPU.
+/// A weight element the kernel can widen to f32.
+trait WeightElem: Copy + Send + Sync + candle_core::WithDType {
+    fn to_f32(self) -> f32;
+    /// Eight consecutive elements at `ptr` as one f32 vector.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reading eight elements.
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
+    unsafe fn load8(ptr: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl WeightElem for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
+    #[inline(always)]
+    unsafe fn load8(ptr: *const Self) -> std::arch::x86_64::__m256 {
+        // SAFETY: forwarded from the caller.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(ptr) }
+    }
+}
+
+impl WeightElem for f16 {
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
+    #[inline(always)]
+    unsafe fn load8(ptr: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: forwarded from the caller; 8 f16 are 16 bytes, one unaligned 128-bit load.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(ptr.cast::<__m128i>())) }
+    }
+}
+
+/// `x` `[m, k]` (f32) times `weight` `[n, k]` (f32 or f16) transposed, as `[m, n]`, on CPU.
 pub(crate) fn small_m_matmul(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
     let (m, k) = x.dims2()?;
     let (n, k_w) = weight.dims2()?;
@@ -37,31 +75,14 @@ pub(crate) fn small_m_matmul(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
         return Err(EngineError::InvalidBatch("small-m matmul needs a contiguous weight".into()));
     }
     let x_all = &x_cpu.as_slice::<f32>()?[x_layout.start_offset()..x_layout.start_offset() + m * k];
-    let w_all = &w_cpu.as_slice::<f32>()?[w_layout.start_offset()..w_layout.start_offset() + n * k];
-    // Output transposed ([n, m]) so parallel tasks own disjoint slices.
-    let mut yt = vec![0f32; n * m];
-    let task = |(task, y_chunk): (usize, &mut [f32])| {
-        let first = task * OUTPUTS_PER_TASK;
-        for (i, y_out) in y_chunk.chunks_exact_mut(m).enumerate() {
-            let w_row = &w_all[(first + i) * k..(first + i + 1) * k];
-            let mut blocks = y_out.chunks_exact_mut(ROW_BLOCK);
-            for (b, y_block) in blocks.by_ref().enumerate() {
-                let x_block = &x_all[b * ROW_BLOCK * k..(b + 1) * ROW_BLOCK * k];
-                y_block.copy_from_slice(&dot_rows::<ROW_BLOCK>(x_block, w_row, k));
-            }
-            let done = m / ROW_BLOCK * ROW_BLOCK;
-            for (r, y) in blocks.into_remainder().iter_mut().enumerate() {
-                let row = &x_all[(done + r) * k..(done + r + 1) * k];
-                *y = dot_rows::<1>(row, w_row, k)[0];
-            }
+    let w_range = w_layout.start_offset()..w_layout.start_offset() + n * k;
+    let yt = match weight.dtype() {
+        DType::F32 => transposed_product(x_all, &w_cpu.as_slice::<f32>()?[w_range], m, k),
+        DType::F16 => transposed_product(x_all, &w_cpu.as_slice::<f16>()?[w_range], m, k),
+        other => {
+            return Err(EngineError::InvalidBatch(format!("small-m matmul has no {other:?} weights")));
         }
     };
-    // With one thread, handing work to rayon's pool only adds a thread switch per call.
-    if rayon::current_num_threads() > 1 {
-        yt.par_chunks_mut(OUTPUTS_PER_TASK * m).enumerate().for_each(task);
-    } else {
-        yt.chunks_mut(OUTPUTS_PER_TASK * m).enumerate().for_each(task);
-    }
     drop(x_storage);
     let mut y = vec![0f32; m * n];
     for (o, y_out) in yt.chunks_exact(m).enumerate() {
@@ -72,35 +93,65 @@ pub(crate) fn small_m_matmul(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
     Ok(Tensor::from_vec(y, (m, n), x.device())?)
 }
 
+/// The product as `[n, m]` (one output's values for all rows together).
+fn transposed_product<W: WeightElem>(x_all: &[f32], w_all: &[W], m: usize, k: usize) -> Vec<f32> {
+    let n = w_all.len() / k;
+    // Output transposed ([n, m]) so parallel tasks own disjoint slices.
+    let mut yt = vec![0f32; n * m];
+    let task = |(task, y_chunk): (usize, &mut [f32])| {
+        let first = task * OUTPUTS_PER_TASK;
+        for (i, y_out) in y_chunk.chunks_exact_mut(m).enumerate() {
+            let w_row = &w_all[(first + i) * k..(first + i + 1) * k];
+            let mut blocks = y_out.chunks_exact_mut(ROW_BLOCK);
+            for (b, y_block) in blocks.by_ref().enumerate() {
+                let x_block = &x_all[b * ROW_BLOCK * k..(b + 1) * ROW_BLOCK * k];
+                y_block.copy_from_slice(&dot_rows::<ROW_BLOCK, W>(x_block, w_row, k));
+            }
+            let done = m / ROW_BLOCK * ROW_BLOCK;
+            for (r, y) in blocks.into_remainder().iter_mut().enumerate() {
+                let row = &x_all[(done + r) * k..(done + r + 1) * k];
+                *y = dot_rows::<1, W>(row, w_row, k)[0];
+            }
+        }
+    };
+    // With one thread, handing work to rayon's pool only adds a thread switch per call.
+    if rayon::current_num_threads() > 1 {
+        yt.par_chunks_mut(OUTPUTS_PER_TASK * m).enumerate().for_each(task);
+    } else {
+        yt.chunks_mut(OUTPUTS_PER_TASK * m).enumerate().for_each(task);
+    }
+    yt
+}
+
 /// Dot products of `R` rows of `x` (each `k` long) with one weight row. Every row's sum is
 /// formed the same way whatever `R` is (`ACCS` 8-lane FMA accumulators over interleaved
 /// chunks, added in order, lanes added in order, then the scalar tail), so results do not
 /// depend on the batch.
 #[inline(always)]
-fn dot_rows<const R: usize>(x: &[f32], w: &[f32], k: usize) -> [f32; R] {
+fn dot_rows<const R: usize, W: WeightElem>(x: &[f32], w: &[W], k: usize) -> [f32; R] {
     assert!(x.len() >= R * k && w.len() >= k, "dot_rows: slices shorter than {R} x {k}");
     let whole = k / (ACCS * LANES) * (ACCS * LANES);
-    let lanes = lane_sums::<R>(x, w, k, whole);
+    let lanes = lane_sums::<R, W>(x, w, k, whole);
     std::array::from_fn(|r| {
-        let tail: f32 = (whole..k).map(|i| x[r * k + i] * w[i]).sum();
+        let tail: f32 = (whole..k).map(|i| x[r * k + i] * w[i].to_f32()).sum();
         lanes[r].iter().sum::<f32>() + tail
     })
 }
 
 /// Per row, 8 lane sums over `0..whole` (a multiple of ACCS * 8) with AVX2 + FMA.
-#[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
 #[inline(always)]
-fn lane_sums<const R: usize>(x: &[f32], w: &[f32], k: usize, whole: usize) -> [[f32; LANES]; R] {
+fn lane_sums<const R: usize, W: WeightElem>(x: &[f32], w: &[W], k: usize, whole: usize) -> [[f32; LANES]; R] {
     use std::arch::x86_64::*;
     let mut out = [[0f32; LANES]; R];
     // SAFETY: the caller checked x.len() >= R * k and w.len() >= k, and whole <= k, so every
-    // load reads inside the slices; AVX2 and FMA are enabled at compile time (cfg above).
+    // load reads inside the slices; AVX2, FMA and F16C are enabled at compile time (cfg above).
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); ACCS]; R];
         let (xp, wp) = (x.as_ptr(), w.as_ptr());
         let mut c = 0;
         while c < whole {
-            let wv: [__m256; ACCS] = std::array::from_fn(|a| _mm256_loadu_ps(wp.add(c + a * LANES)));
+            let wv: [__m256; ACCS] = std::array::from_fn(|a| W::load8(wp.add(c + a * LANES)));
             for r in 0..R {
                 let row = xp.add(r * k + c);
                 for a in 0..ACCS {
@@ -118,9 +169,9 @@ fn lane_sums<const R: usize>(x: &[f32], w: &[f32], k: usize, whole: usize) -> [[
 }
 
 /// Portable version of the AVX2 lane sums, same summation order.
-#[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
+#[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c")))]
 #[inline(always)]
-fn lane_sums<const R: usize>(x: &[f32], w: &[f32], k: usize, whole: usize) -> [[f32; LANES]; R] {
+fn lane_sums<const R: usize, W: WeightElem>(x: &[f32], w: &[W], k: usize, whole: usize) -> [[f32; LANES]; R] {
     let mut out = [[0f32; LANES]; R];
     for r in 0..R {
         let mut acc = [[0f32; LANES]; ACCS];
@@ -128,7 +179,7 @@ fn lane_sums<const R: usize>(x: &[f32], w: &[f32], k: usize, whole: usize) -> [[
             for (a, lanes) in acc.iter_mut().enumerate() {
                 for l in 0..LANES {
                     let i = c + a * LANES + l;
-                    lanes[l] = x[r * k + i].mul_add(w[i], lanes[l]);
+                    lanes[l] = x[r * k + i].mul_add(w[i].to_f32(), lanes[l]);
                 }
             }
         }
@@ -161,6 +212,18 @@ mod tests {
             let d = (alone - in_batch)?.abs()?.max_all()?.to_scalar::<f32>()?;
             assert_eq!(d, 0.0, "row {row} depends on its batch");
         }
+        Ok(())
+    }
+
+    #[test]
+    fn f16_weights_match_f32_weights_of_the_same_values() -> Result<()> {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (40, 64), &dev)?.to_dtype(DType::F16)?;
+        let x = Tensor::randn(0f32, 1.0, (3, 64), &dev)?;
+        let from_f16 = small_m_matmul(&x, &w)?;
+        let from_f32 = small_m_matmul(&x, &w.to_dtype(DType::F32)?)?;
+        let d = (from_f16 - from_f32)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(d, 0.0, "widening f16 in the kernel must equal widening beforehand");
         Ok(())
     }
 }

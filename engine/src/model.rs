@@ -16,7 +16,8 @@ use crate::kv::cache::{KvCache, SequenceKv};
 use crate::loader::{RawTensor, TensorSource};
 use crate::matmul::small_m_matmul;
 
-/// A projection `x @ W^T`; dense weights are `[out, in]` f32.
+/// A projection `x @ W^T`; dense weights are `[out, in]`, f32 or f16 (f16 is widened to f32
+/// for the arithmetic in both paths, so both give the same numbers up to summation order).
 #[derive(Debug)]
 enum Linear {
     Dense { weight: Tensor },
@@ -34,7 +35,7 @@ impl Linear {
                 if x.dim(0)? <= SMALL_BATCH_ROWS && matches!(x.device(), Device::Cpu) {
                     small_m_matmul(x, weight)?
                 } else {
-                    x.matmul(&weight.t()?)?
+                    x.matmul(&weight.to_dtype(DType::F32)?.t()?)?
                 }
             }
             Linear::Quant(q) => q.forward(x)?,
@@ -335,10 +336,12 @@ fn linear(parts: Vec<RawTensor>, format: WeightFormat, device: &Device) -> Resul
         .map(|p| Ok(p.dequantize()?.to_device(device)?))
         .collect::<Result<Vec<_>>>()?;
     let dense = Tensor::cat(&dense, 0)?;
-    if format == WeightFormat::Q8 && k % Q8_0_BLOCK == 0 {
-        Ok(Linear::Quant(QMatMul::from_qtensor(QTensor::quantize(&dense, GgmlDType::Q8_0)?)?))
-    } else {
-        Ok(Linear::Dense { weight: dense })
+    match format {
+        WeightFormat::Q8 if k % Q8_0_BLOCK == 0 => {
+            Ok(Linear::Quant(QMatMul::from_qtensor(QTensor::quantize(&dense, GgmlDType::Q8_0)?)?))
+        }
+        WeightFormat::F16 if matches!(device, Device::Cpu) => Ok(Linear::Dense { weight: dense.to_dtype(DType::F16)? }),
+        _ => Ok(Linear::Dense { weight: dense }),
     }
 }
 

@@ -30,7 +30,7 @@ const PROMPTS: [&str; 4] = [
 
 #[test]
 fn tokenizer_matches_llama_cpp_and_round_trips() {
-    let engine = engine(WeightFormat::F32);
+    let engine = engine(WeightFormat::F16);
     let tok = engine.tokenizer();
     assert_eq!(tok.encode("Hello, how are you?").expect("encode"), vec![19556, 28, 638, 359, 346, 47]);
     let fixtures: serde_json::Value =
@@ -56,7 +56,7 @@ fn tokenizer_matches_llama_cpp_and_round_trips() {
 
 #[test]
 fn chat_template_renders_chatml_with_default_system_prompt() {
-    let engine = engine(WeightFormat::F32);
+    let engine = engine(WeightFormat::F16);
     let template = engine.chat_template().expect("GGUF has a chat template");
     let text = template.render(&[ChatMessage::new("user", "What is the capital of France?")], true).expect("render");
     assert_eq!(
@@ -72,10 +72,12 @@ fn chat_template_renders_chatml_with_default_system_prompt() {
 
 #[test]
 fn answers_the_capital_of_france() {
-    let engine = engine(WeightFormat::F32);
-    let prompt = chat(&engine, "What is the capital of France?");
-    let generation = engine.generate(&prompt, &SamplingParams::greedy(48), 512, |_| {}).expect("generate");
-    assert!(generation.text.contains("Paris"), "answer: {:?}", generation.text);
+    for weights in [WeightFormat::F16, WeightFormat::F32] {
+        let engine = engine(weights);
+        let prompt = chat(&engine, "What is the capital of France?");
+        let generation = engine.generate(&prompt, &SamplingParams::greedy(48), 512, |_| {}).expect("generate");
+        assert!(generation.text.contains("Paris"), "{weights:?} answer: {:?}", generation.text);
+    }
 }
 
 /// Greedy tokens from `kv` whose next-token logits are `logits`, by single-sequence steps.
@@ -87,8 +89,8 @@ fn greedy_continue(engine: &Engine, kv: SequenceKv, logits: Tensor, n: usize) ->
 
 #[test]
 fn kv_handoff_keeps_greedy_tokens_identical() {
-    let prefill_side = engine(WeightFormat::F32);
-    let decode_side = engine(WeightFormat::F32);
+    let prefill_side = engine(WeightFormat::F16);
+    let decode_side = engine(WeightFormat::F16);
     let layers = 0..prefill_side.model().config().num_layers;
     for question in &PROMPTS[..3] {
         let prompt = chat(&prefill_side, question);
@@ -111,7 +113,7 @@ fn kv_handoff_keeps_greedy_tokens_identical() {
 
 #[test]
 fn batched_decode_equals_each_sequence_alone() {
-    let engine = engine(WeightFormat::F32);
+    let engine = engine(WeightFormat::F16);
     let steps = 16;
     let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|q| chat(&engine, q)).collect();
     let alone: Vec<Vec<u32>> = prompts
@@ -180,7 +182,7 @@ fn truncated_real_gguf_and_overlong_prompt_are_refused() {
     let err = Engine::load(&truncated, LoadOptions::default(), CacheConfig::with_blocks(4)).expect_err("truncated");
     assert!(err.to_string().contains("truncated"), "{err}");
 
-    let engine = engine(WeightFormat::F32);
+    let engine = engine(WeightFormat::F16);
     let too_long = vec![100u32; 8193];
     let err = engine.prefill(&mut engine.new_sequence(), &too_long, 512).expect_err("longer than context");
     assert!(matches!(err, EngineError::ContextOverflow { tokens: 8193, max: 8192 }), "{err}");

@@ -11,10 +11,17 @@ use pd_engine::{
 };
 
 fn tiny_model(seed: u64) -> Model {
+    tiny_model_as(seed, WeightFormat::F32)
+}
+
+fn tiny_model_as(seed: u64, format: WeightFormat) -> Model {
     let config = tiny_config();
     let mut source = MapSource(tiny_weights(&config, seed));
-    Model::load(config, &mut source, WeightFormat::F32, &Device::Cpu).expect("tiny model loads")
+    Model::load(config, &mut source, format, &Device::Cpu).expect("tiny model loads")
 }
+
+/// The dense formats, whose batching and chunking must not change the numbers.
+const DENSE: [WeightFormat; 2] = [WeightFormat::F32, WeightFormat::F16];
 
 fn cache_for(model: &Model, blocks: usize, block_size: usize) -> KvCache {
     KvCache::new(model.config(), &CacheConfig { block_size, num_blocks: blocks }, &Device::Cpu).expect("cache")
@@ -49,7 +56,13 @@ fn run_alone(model: &Model, cache: &KvCache, kv: &mut SequenceKv, chunks: &[&[u3
 
 #[test]
 fn mixed_batch_equals_each_sequence_alone() {
-    let model = tiny_model(1);
+    for format in DENSE {
+        mixed_batch_case(&tiny_model_as(1, format));
+    }
+}
+
+fn mixed_batch_case(model: &Model) {
+    let model = model;
     let cache = cache_for(&model, 64, 4);
     let blocks = cache.block_manager();
     let (a_prompt, b_prompt, c_prompt) = (tokens(5, 1), tokens(7, 2), tokens(9, 3));
@@ -91,7 +104,13 @@ fn mixed_batch_equals_each_sequence_alone() {
 
 #[test]
 fn chunked_prefill_equals_one_shot() {
-    let model = tiny_model(2);
+    for format in DENSE {
+        chunked_case(&tiny_model_as(2, format));
+    }
+}
+
+fn chunked_case(model: &Model) {
+    let model = model;
     let cache = cache_for(&model, 64, 4);
     let blocks = cache.block_manager();
     let prompt = tokens(23, 4);

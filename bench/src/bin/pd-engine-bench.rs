@@ -21,8 +21,8 @@ struct Args {
     model: PathBuf,
     #[arg(long, default_value_t = 1)]
     threads: usize,
-    /// f32, q8 or stored.
-    #[arg(long, default_value = "f32")]
+    /// f16 (default), f32, q8 or stored.
+    #[arg(long, default_value = "f16")]
     weights: WeightFormat,
     /// Prompt lengths for the prefill measurement.
     #[arg(long, value_delimiter = ',', default_value = "128,512,2048")]

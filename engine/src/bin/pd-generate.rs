@@ -40,8 +40,8 @@ struct Args {
     /// Compute threads for this process.
     #[arg(long, env = "PD_THREADS", default_value_t = 1)]
     threads: usize,
-    /// Weights in memory: f32 (default, most faithful), q8 (re-quantized), stored (as in the file).
-    #[arg(long, default_value = "f32")]
+    /// Weights in memory: f16 (default), f32, q8 (re-quantized) or stored (as in the file).
+    #[arg(long, default_value = "f16")]
     weights: WeightFormat,
     /// Prefill chunk size in tokens.
     #[arg(long, default_value_t = 512)]
