@@ -195,6 +195,7 @@ fn decode_one(q: &[f32], k_all: &[f32], v_all: &[f32], slots: &[u32], heads: Hea
     // scores[head * ctx + j]
     let mut scores = vec![0f32; num_heads * ctx];
     for (j, &slot) in slots.iter().enumerate() {
+        prefetch_row(k_all, slots.get(j + PREFETCH_AHEAD), kv_width);
         let row = &k_all[slot as usize * kv_width..(slot as usize + 1) * kv_width];
         for (h, q_head) in q.chunks_exact(head_dim).enumerate() {
             let g = h / group;
@@ -206,6 +207,7 @@ fn decode_one(q: &[f32], k_all: &[f32], v_all: &[f32], slots: &[u32], heads: Hea
     }
     let mut out = vec![0f32; num_heads * head_dim];
     for (j, &slot) in slots.iter().enumerate() {
+        prefetch_row(v_all, slots.get(j + PREFETCH_AHEAD), kv_width);
         let row = &v_all[slot as usize * kv_width..(slot as usize + 1) * kv_width];
         for (h, out_head) in out.chunks_exact_mut(head_dim).enumerate() {
             let g = h / group;
@@ -215,23 +217,76 @@ fn decode_one(q: &[f32], k_all: &[f32], v_all: &[f32], slots: &[u32], heads: Hea
     out
 }
 
-/// Dot product with 8 independent accumulators over exact chunks, so the compiler keeps it
-/// in one vector register with no bounds checks.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = a8.remainder().iter().zip(b8.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in a8.zip(b8) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
+/// Cache rows are read this many positions before use: blocks are scattered, so the
+/// hardware prefetcher loses the stream at every block boundary.
+const PREFETCH_AHEAD: usize = 6;
+
+/// Asks the CPU to start loading the cache row of `slot` (a hint; no effect on results).
+#[inline(always)]
+fn prefetch_row(all: &[f32], slot: Option<&u32>, width: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(&slot) = slot {
+        let start = slot as usize * width;
+        if start + width <= all.len() {
+            for line in (0..width).step_by(16) {
+                // SAFETY: prefetch is a hint that never faults; the address is inside `all`.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch(all.as_ptr().add(start + line).cast::<i8>(), std::arch::x86_64::_MM_HINT_T0);
+                }
+            }
         }
     }
-    acc.iter().sum::<f32>() + tail
 }
 
+/// Dot product. AVX2/FMA with two accumulators when the length is a multiple of 16 (head
+/// dims are), else the portable loop; the same inputs always take the same path.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    if a.len() % 16 == 0 && b.len() == a.len() {
+        use std::arch::x86_64::*;
+        // SAFETY: both slices hold a.len() floats, a multiple of 16, and every load reads
+        // 8 floats at an offset < len - 7; AVX2 and FMA are enabled at compile time.
+        unsafe {
+            let (pa, pb) = (a.as_ptr(), b.as_ptr());
+            let mut even = _mm256_setzero_ps();
+            let mut odd = _mm256_setzero_ps();
+            let mut i = 0;
+            while i < a.len() {
+                even = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), even);
+                odd = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), odd);
+                i += 16;
+            }
+            let sum = _mm256_add_ps(even, odd);
+            let halves = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+            let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+            let single = _mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1));
+            return _mm_cvtss_f32(single);
+        }
+    }
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// `y += alpha * x`.
 #[inline]
 fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    if x.len() % 8 == 0 && y.len() == x.len() {
+        use std::arch::x86_64::*;
+        // SAFETY: both slices hold x.len() floats, a multiple of 8; each load and store
+        // touches 8 floats below that length; AVX2 and FMA are enabled at compile time.
+        unsafe {
+            let a = _mm256_set1_ps(alpha);
+            let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+            let mut i = 0;
+            while i < x.len() {
+                _mm256_storeu_ps(py.add(i), _mm256_fmadd_ps(a, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i))));
+                i += 8;
+            }
+        }
+        return;
+    }
     for (yi, xi) in y.iter_mut().zip(x) {
         *yi += alpha * xi;
     }

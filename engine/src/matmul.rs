@@ -14,9 +14,9 @@ use rayon::prelude::*;
 use crate::error::{EngineError, Result};
 
 /// Rows processed together against one weight row.
-const ROW_BLOCK: usize = 2;
+const ROW_BLOCK: usize = 4;
 /// Independent accumulators per row (hides FMA latency when a batch has one row).
-const ACCS: usize = 4;
+const ACCS: usize = 3;
 /// Lanes of one partial sum (one AVX register of f32).
 const LANES: usize = 8;
 /// Outputs per parallel task.
@@ -161,7 +161,7 @@ fn lane_sums<const R: usize, W: WeightElem>(x: &[f32], w: &[W], k: usize, whole:
             c += ACCS * LANES;
         }
         for r in 0..R {
-            let sum = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3]));
+            let sum = acc[r][1..].iter().fold(acc[r][0], |total, &a| _mm256_add_ps(total, a));
             _mm256_storeu_ps(out[r].as_mut_ptr(), sum);
         }
     }
@@ -184,7 +184,7 @@ fn lane_sums<const R: usize, W: WeightElem>(x: &[f32], w: &[W], k: usize, whole:
             }
         }
         for l in 0..LANES {
-            out[r][l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
+            out[r][l] = acc[1..].iter().fold(acc[0][l], |total, a| total + a[l]);
         }
     }
     out
