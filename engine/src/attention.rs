@@ -244,7 +244,7 @@ fn prefetch_row(all: &[f32], slot: Option<&u32>, width: usize) {
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
-    if a.len() % 16 == 0 && b.len() == a.len() {
+    if a.len().is_multiple_of(16) && b.len() == a.len() {
         use std::arch::x86_64::*;
         // SAFETY: both slices hold a.len() floats, a multiple of 16, and every load reads
         // 8 floats at an offset < len - 7; AVX2 and FMA are enabled at compile time.
@@ -272,7 +272,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[inline]
 fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
-    if x.len() % 8 == 0 && y.len() == x.len() {
+    if x.len().is_multiple_of(8) && y.len() == x.len() {
         use std::arch::x86_64::*;
         // SAFETY: both slices hold x.len() floats, a multiple of 8; each load and store
         // touches 8 floats below that length; AVX2 and FMA are enabled at compile time.

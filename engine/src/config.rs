@@ -46,13 +46,13 @@ impl ModelConfig {
                 return Err(EngineError::Metadata(format!("{name} must be positive")));
             }
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err(EngineError::Metadata(format!(
                 "num_heads ({}) must be a multiple of num_kv_heads ({})",
                 self.num_heads, self.num_kv_heads
             )));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(EngineError::Metadata(format!(
                 "head_dim ({}) must be even for rotary embeddings",
                 self.head_dim

@@ -152,10 +152,10 @@ fn lane_sums<const R: usize, W: WeightElem>(x: &[f32], w: &[W], k: usize, whole:
         let mut c = 0;
         while c < whole {
             let wv: [__m256; ACCS] = std::array::from_fn(|a| W::load8(wp.add(c + a * LANES)));
-            for r in 0..R {
+            for (r, row_acc) in acc.iter_mut().enumerate() {
                 let row = xp.add(r * k + c);
-                for a in 0..ACCS {
-                    acc[r][a] = _mm256_fmadd_ps(_mm256_loadu_ps(row.add(a * LANES)), wv[a], acc[r][a]);
+                for (a, lane_acc) in row_acc.iter_mut().enumerate() {
+                    *lane_acc = _mm256_fmadd_ps(_mm256_loadu_ps(row.add(a * LANES)), wv[a], *lane_acc);
                 }
             }
             c += ACCS * LANES;

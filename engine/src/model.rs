@@ -249,7 +249,7 @@ impl Model {
         let n = logit_rows.len();
         let last = x.index_select(&Tensor::from_vec(logit_rows, n, dev)?, 0)?;
         let last = candle_nn::ops::rms_norm(&last, &self.norm, eps)?;
-        Ok(self.lm_head.forward(&last)?)
+        self.lm_head.forward(&last)
     }
 
     /// Applies rotary embeddings to `[rows, heads * head_dim]`.
@@ -314,11 +314,10 @@ fn linear(parts: Vec<RawTensor>, format: WeightFormat, device: &Device) -> Resul
             .then(|| first.dtype()),
         _ => None,
     };
-    let keep_stored = match (format, all_quant_dtype) {
-        (WeightFormat::Stored, Some(_)) => true,
-        (WeightFormat::Q8, Some(GgmlDType::Q8_0)) => true,
-        _ => false,
-    };
+    let keep_stored = matches!(
+        (format, all_quant_dtype),
+        (WeightFormat::Stored, Some(_)) | (WeightFormat::Q8, Some(GgmlDType::Q8_0))
+    );
     if keep_stored {
         let dtype = all_quant_dtype.unwrap_or(GgmlDType::Q8_0);
         let rows: usize = parts.iter().map(|p| p.dims()[0]).sum();
@@ -337,7 +336,7 @@ fn linear(parts: Vec<RawTensor>, format: WeightFormat, device: &Device) -> Resul
         .collect::<Result<Vec<_>>>()?;
     let dense = Tensor::cat(&dense, 0)?;
     match format {
-        WeightFormat::Q8 if k % Q8_0_BLOCK == 0 => {
+        WeightFormat::Q8 if k.is_multiple_of(Q8_0_BLOCK) => {
             Ok(Linear::Quant(QMatMul::from_qtensor(QTensor::quantize(&dense, GgmlDType::Q8_0)?)?))
         }
         WeightFormat::F16 if matches!(device, Device::Cpu) => Ok(Linear::Dense { weight: dense.to_dtype(DType::F16)? }),

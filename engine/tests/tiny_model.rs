@@ -62,26 +62,25 @@ fn mixed_batch_equals_each_sequence_alone() {
 }
 
 fn mixed_batch_case(model: &Model) {
-    let model = model;
-    let cache = cache_for(&model, 64, 4);
+    let cache = cache_for(model, 64, 4);
     let blocks = cache.block_manager();
     let (a_prompt, b_prompt, c_prompt) = (tokens(5, 1), tokens(7, 2), tokens(9, 3));
     let (a_next, c_next) = ([11u32], [42u32]);
 
     // Alone: each sequence in its own forward calls.
     let mut a = SequenceKv::new(blocks.empty_allocation());
-    let a_alone = run_alone(&model, &cache, &mut a, &[&a_prompt, &a_next]);
+    let a_alone = run_alone(model, &cache, &mut a, &[&a_prompt, &a_next]);
     let mut b = SequenceKv::new(blocks.empty_allocation());
-    let b_alone = run_alone(&model, &cache, &mut b, &[&b_prompt]);
+    let b_alone = run_alone(model, &cache, &mut b, &[&b_prompt]);
     let mut c = SequenceKv::new(blocks.empty_allocation());
-    let c_alone = run_alone(&model, &cache, &mut c, &[&c_prompt, &c_next]);
+    let c_alone = run_alone(model, &cache, &mut c, &[&c_prompt, &c_next]);
 
     // Together: A and C prefilled, then one batch with A's decode token, B's whole prompt
     // as a prefill chunk and C's decode token.
     let mut a2 = SequenceKv::new(blocks.empty_allocation());
     let mut c2 = SequenceKv::new(blocks.empty_allocation());
-    run_alone(&model, &cache, &mut a2, &[&a_prompt]);
-    run_alone(&model, &cache, &mut c2, &[&c_prompt]);
+    run_alone(model, &cache, &mut a2, &[&a_prompt]);
+    run_alone(model, &cache, &mut c2, &[&c_prompt]);
     let mut b2 = SequenceKv::new(blocks.empty_allocation());
     let together = model
         .forward(
@@ -110,19 +109,18 @@ fn chunked_prefill_equals_one_shot() {
 }
 
 fn chunked_case(model: &Model) {
-    let model = model;
-    let cache = cache_for(&model, 64, 4);
+    let cache = cache_for(model, 64, 4);
     let blocks = cache.block_manager();
     let prompt = tokens(23, 4);
     let next = [17u32];
     let mut whole = SequenceKv::new(blocks.empty_allocation());
-    let reference_prompt = run_alone(&model, &cache, &mut whole, &[&prompt]);
-    let reference_next = run_alone(&model, &cache, &mut whole, &[&next]);
+    let reference_prompt = run_alone(model, &cache, &mut whole, &[&prompt]);
+    let reference_next = run_alone(model, &cache, &mut whole, &[&next]);
     for chunk in [1, 3, 4, 7, 16] {
         let mut kv = SequenceKv::new(blocks.empty_allocation());
         let pieces: Vec<&[u32]> = prompt.chunks(chunk).collect();
-        let after_prompt = run_alone(&model, &cache, &mut kv, &pieces);
-        let after_next = run_alone(&model, &cache, &mut kv, &[&next]);
+        let after_prompt = run_alone(model, &cache, &mut kv, &pieces);
+        let after_next = run_alone(model, &cache, &mut kv, &[&next]);
         let d1 = max_diff(&after_prompt, &reference_prompt);
         let d2 = max_diff(&after_next, &reference_next);
         assert!(d1 < 1e-4 && d2 < 1e-4, "chunk {chunk}: differs by {d1} / {d2}");
