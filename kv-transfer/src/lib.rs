@@ -1,3 +1,52 @@
-//! pd-kv-transfer: Ships KV blocks between processes (wire format, gRPC and UCX backends, receiver-side reservations). Built by the KV-transfer issue on top of `pd_engine::kv::export`.
+//! pd-kv-transfer: moves a sequence's KV cache from a prefill worker into blocks a decode
+//! worker reserved, layer by layer, checked frame by frame.
 //!
-//! This crate holds no code yet; the workspace layout of DESIGN.md is in place from the start.
+//! - `wire`: geometry, header and frame types, frame planning (at most 1 MiB each).
+//! - `receiver`: reservations with leases and every check a frame must pass (`KvRegistry`),
+//!   and the `KvSink` the data is written to (the engine's KV cache implements it).
+//! - `grpc`: the always-built transport (tonic bidirectional stream with backpressure).
+//! - `KvSender` / `KvReceiver`: what a transport backend provides.
+
+pub mod error;
+pub mod grpc;
+pub mod receiver;
+pub mod wire;
+
+use std::future::Future;
+
+pub use error::TransferError;
+pub use receiver::{CommittedKv, KvRegistry, KvSink, MemorySink, Outcome, Reservation};
+pub use wire::{frame_runs, Frame, KvGeometry, TransferHeader, MAX_FRAME_BYTES};
+
+/// What the receiver confirmed at commit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommitReceipt {
+    pub bytes: u64,
+    pub frames: u32,
+}
+
+/// The sending end of a transport: opens transfers to one receiver.
+pub trait KvSender {
+    type Transfer: KvTransfer;
+    /// Sends the header and waits until the receiver accepts it (or refuses, or times out).
+    fn start(&self, header: TransferHeader) -> impl Future<Output = Result<Self::Transfer, TransferError>> + Send;
+}
+
+/// One open transfer on the sending side.
+pub trait KvTransfer: Send {
+    /// Queues a frame; waits while the in-flight window is full. Fails early if the receiver
+    /// refused the transfer or vanished.
+    fn send(&mut self, frame: Frame) -> impl Future<Output = Result<(), TransferError>> + Send;
+    /// Ends the transfer and waits for the receiver's confirmation.
+    fn commit(self, first_token: u32, prompt_tokens: u32) -> impl Future<Output = Result<CommitReceipt, TransferError>> + Send;
+    /// Ends the transfer without success; the receiver frees the blocks.
+    fn abort(self, reason: &str) -> impl Future<Output = ()> + Send;
+}
+
+/// The receiving end of a transport, serving one registry until shut down.
+pub trait KvReceiver {
+    /// Address senders connect to.
+    fn local_addr(&self) -> std::net::SocketAddr;
+    /// Stops accepting transfers and waits for the server to end.
+    fn shutdown(self) -> impl Future<Output = ()> + Send;
+}

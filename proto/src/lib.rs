@@ -1,3 +1,8 @@
-//! pd-proto: The one crate that compiles `proto/pd/v1/*.proto`. The worker and KV-transfer APIs arrive with the issues that use them.
-//!
-//! This crate holds no code yet; the workspace layout of DESIGN.md is in place from the start.
+//! pd-proto: the one crate that compiles `proto/pd/v1/*.proto` (tonic + prost, into OUT_DIR).
+//! Every other crate uses the generated types from here.
+
+/// Version 1 of pd's APIs.
+pub mod v1 {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("pd.v1");
+}

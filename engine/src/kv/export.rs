@@ -270,6 +270,64 @@ pub fn import_kv(model: &Model, cache: &KvCache, blocks: &BlockManager, bytes: &
     Ok(kv)
 }
 
+/// K then V of `blocks` (whole blocks, in order) of one layer, in `dtype`: the payload of a
+/// KV-transfer frame, `2 * blocks * block_size * kv_width` values.
+pub fn read_blocks(cache: &KvCache, layer: usize, blocks: &[u32], dtype: WireDType) -> Result<Vec<u8>> {
+    check_layer_blocks(cache, layer, blocks)?;
+    let slots = block_slots(cache, blocks);
+    let n = slots.len();
+    let (k_cache, _) = cache.layer(layer);
+    let slots = Tensor::from_vec(slots, n, k_cache.device())?;
+    let (k, v) = cache.gather(layer, &slots)?;
+    let mut out = Vec::with_capacity(2 * n * cache.kv_width() * dtype.size());
+    for t in [k, v] {
+        append_values(&mut out, &t.flatten_all()?.to_vec1::<f32>()?, dtype);
+    }
+    Ok(out)
+}
+
+/// Writes a frame payload made by `read_blocks` into `blocks` of one layer.
+pub fn write_blocks(cache: &KvCache, layer: usize, blocks: &[u32], dtype: WireDType, data: &[u8]) -> Result<()> {
+    check_layer_blocks(cache, layer, blocks)?;
+    let slots = block_slots(cache, blocks);
+    let n = slots.len();
+    let width = cache.kv_width();
+    let per = n * width * dtype.size();
+    if data.len() != 2 * per {
+        return Err(EngineError::KvImport(format!(
+            "{} bytes for {} blocks of layer {layer}, expected {}",
+            data.len(),
+            blocks.len(),
+            2 * per
+        )));
+    }
+    let (k_cache, _) = cache.layer(layer);
+    let device = k_cache.device();
+    let index: Vec<u32> = slots.iter().flat_map(|&s| std::iter::repeat_n(s, width)).collect();
+    let index = Tensor::from_vec(index, (n, width), device)?;
+    let k = Tensor::from_vec(read_values(&data[..per], dtype), (n, width), device)?;
+    let v = Tensor::from_vec(read_values(&data[per..], dtype), (n, width), device)?;
+    cache.write(layer, &index, &k, &v)
+}
+
+fn check_layer_blocks(cache: &KvCache, layer: usize, blocks: &[u32]) -> Result<()> {
+    if layer >= cache.num_layers() {
+        return Err(EngineError::KvImport(format!(
+            "layer {layer} is beyond the cache's {} layers",
+            cache.num_layers()
+        )));
+    }
+    if blocks.is_empty() {
+        return Err(EngineError::KvImport("no blocks".into()));
+    }
+    cache.check_blocks(blocks).map_err(|e| EngineError::KvImport(e.to_string()))
+}
+
+fn block_slots(cache: &KvCache, blocks: &[u32]) -> Vec<u32> {
+    let bs = cache.block_size() as u32;
+    blocks.iter().flat_map(|&b| (b * bs)..(b * bs + bs)).collect()
+}
+
 fn append_values(out: &mut Vec<u8>, values: &[f32], dtype: WireDType) {
     match dtype {
         WireDType::F32 => out.extend_from_slice(bytemuck::cast_slice(values)),
@@ -322,6 +380,42 @@ mod tests {
         let mut bad = h.encode();
         bad[6] = 9;
         assert!(KvHeader::decode(&bad).expect_err("dtype").to_string().contains("dtype"));
+    }
+
+    #[test]
+    fn block_payloads_round_trip_into_other_blocks() -> Result<()> {
+        use crate::config::{CacheConfig, ModelConfig, RopeStyle};
+        let model = ModelConfig {
+            vocab_size: 8,
+            hidden_size: 8,
+            intermediate_size: 8,
+            num_layers: 2,
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 4,
+            max_position: 64,
+            rope_theta: 10000.0,
+            rms_norm_eps: 1e-5,
+            rope_style: RopeStyle::Halves,
+        };
+        let dev = candle_core::Device::Cpu;
+        let config = CacheConfig { block_size: 2, num_blocks: 6 };
+        let source = KvCache::new(&model, &config, &dev)?;
+        let slots = 12;
+        let k = Tensor::arange(0f32, (slots * 4) as f32, &dev)?.reshape((slots, 4))?;
+        let v = (k.clone() * -1.0)?;
+        let index: Vec<u32> = (0..slots as u32).flat_map(|s| [s; 4]).collect();
+        source.write(1, &Tensor::from_vec(index, (slots, 4), &dev)?, &k, &v)?;
+        let payload = read_blocks(&source, 1, &[4, 1], WireDType::F32)?;
+        assert_eq!(payload.len(), 2 * 2 * 2 * 4 * 4);
+        let target = KvCache::new(&model, &config, &dev)?;
+        write_blocks(&target, 1, &[0, 5], WireDType::F32, &payload)?;
+        assert_eq!(read_blocks(&target, 1, &[0, 5], WireDType::F32)?, payload);
+        let err = write_blocks(&target, 1, &[0], WireDType::F32, &payload).expect_err("size");
+        assert!(err.to_string().contains("expected"), "{err}");
+        assert!(write_blocks(&target, 2, &[0, 5], WireDType::F32, &payload).is_err(), "layer 2 of 2");
+        assert!(write_blocks(&target, 1, &[0, 6], WireDType::F32, &payload).is_err(), "block 6 of 6");
+        Ok(())
     }
 
     #[test]

@@ -1,0 +1,202 @@
+//! Receiving side of the gRPC transport: one task per transfer stream drives the registry.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pd_proto::v1 as pb;
+use pb::kv_receiver_message::Message as Reply;
+use pb::kv_sender_message::Message as Incoming;
+use pb::kv_transfer_server::{KvTransfer as KvTransferRpc, KvTransferServer};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status, Streaming};
+
+use super::{CONNECTION_WINDOW, FRAMES_IN_FLIGHT, MAX_MESSAGE, STREAM_WINDOW};
+use crate::error::TransferError;
+use crate::receiver::KvRegistry;
+use crate::wire::{Frame, TransferHeader};
+
+/// The `pd.v1.KvTransfer` service over a registry.
+#[derive(Debug, Clone)]
+pub struct KvTransferService {
+    registry: Arc<KvRegistry>,
+}
+
+impl KvTransferService {
+    pub fn new(registry: Arc<KvRegistry>) -> Self {
+        KvTransferService { registry }
+    }
+
+    /// The tonic server wrapper with message limits for 1 MiB frames.
+    pub fn into_server(self) -> KvTransferServer<Self> {
+        KvTransferServer::new(self).max_decoding_message_size(MAX_MESSAGE)
+    }
+}
+
+fn refused(err: &TransferError) -> pb::KvReceiverMessage {
+    pb::KvReceiverMessage {
+        message: Some(Reply::Refused(pb::KvRefused {
+            reason: err.to_string(),
+            kind: err.kind().to_string(),
+        })),
+    }
+}
+
+/// Drives one transfer stream until it commits, fails or ends.
+async fn serve_stream(
+    registry: Arc<KvRegistry>,
+    mut inbound: Streaming<pb::KvSenderMessage>,
+    out: mpsc::Sender<Result<pb::KvReceiverMessage, Status>>,
+) {
+    let mut transfer_id: Option<String> = None;
+    loop {
+        let message = match inbound.message().await {
+            Ok(Some(m)) => m.message,
+            // The sender went away without commit or abort: keep the blocks for a retry
+            // until the lease ends.
+            Ok(None) | Err(_) => {
+                if let Some(id) = &transfer_id {
+                    registry.detach(id);
+                }
+                return;
+            }
+        };
+        let reply = match (message, &transfer_id) {
+            (Some(Incoming::Header(h)), None) => {
+                let id = h.transfer_id.clone();
+                match TransferHeader::from_pb(h).and_then(|header| registry.open(&header)) {
+                    Ok(()) => {
+                        transfer_id = Some(id);
+                        Some(pb::KvReceiverMessage {
+                            message: Some(Reply::Accepted(pb::KvAccepted {
+                                max_frames_in_flight: FRAMES_IN_FLIGHT as u32,
+                            })),
+                        })
+                    }
+                    Err(e) => {
+                        let e = registry.reject(&id, e);
+                        let _ = out.send(Ok(refused(&e))).await;
+                        return;
+                    }
+                }
+            }
+            (Some(Incoming::Frame(f)), Some(id)) => match registry.apply_frame(id, &Frame::from_pb(f)) {
+                Ok(()) => None,
+                Err(e) => {
+                    let _ = out.send(Ok(refused(&e))).await;
+                    return;
+                }
+            },
+            (Some(Incoming::Commit(c)), Some(id)) => {
+                let reply = match registry.commit(id, c.first_token, c.prompt_tokens) {
+                    Ok((bytes, frames)) => pb::KvReceiverMessage {
+                        message: Some(Reply::Committed(pb::KvCommitted { bytes, frames })),
+                    },
+                    Err(e) => refused(&e),
+                };
+                let _ = out.send(Ok(reply)).await;
+                return;
+            }
+            (Some(Incoming::Abort(a)), Some(id)) => {
+                let _ = registry.abort(id, &a.reason);
+                return;
+            }
+            (other, id) => {
+                let what = match other {
+                    Some(Incoming::Header(_)) => "a second header",
+                    None => "an empty message",
+                    _ => "a frame, commit or abort before the header",
+                };
+                let err = TransferError::Protocol(format!("unexpected {what}"));
+                let err = match id {
+                    Some(id) => registry.reject(id, err),
+                    None => err,
+                };
+                let _ = out.send(Ok(refused(&err))).await;
+                return;
+            }
+        };
+        if let Some(reply) = reply {
+            if out.send(Ok(reply)).await.is_err() {
+                if let Some(id) = &transfer_id {
+                    registry.detach(id);
+                }
+                return;
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl KvTransferRpc for KvTransferService {
+    type TransferStream = ReceiverStream<Result<pb::KvReceiverMessage, Status>>;
+
+    async fn transfer(
+        &self,
+        request: Request<Streaming<pb::KvSenderMessage>>,
+    ) -> Result<Response<Self::TransferStream>, Status> {
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(serve_stream(self.registry.clone(), request.into_inner(), tx));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Frees the blocks of reservations whose lease ended, every `period`, until aborted.
+pub fn spawn_lease_reaper(registry: Arc<KvRegistry>, period: Duration) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(period);
+        loop {
+            tick.tick().await;
+            registry.expire_due();
+        }
+    })
+}
+
+/// A running gRPC KV receiver (server plus lease reaper).
+#[derive(Debug)]
+pub struct GrpcKvReceiver {
+    addr: SocketAddr,
+    stop: oneshot::Sender<()>,
+    server: JoinHandle<()>,
+    reaper: JoinHandle<()>,
+}
+
+impl GrpcKvReceiver {
+    /// Serves `registry` on `listener` (bind it to port 0 in tests).
+    pub fn start(registry: Arc<KvRegistry>, listener: TcpListener) -> std::io::Result<Self> {
+        let addr = listener.local_addr()?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let reaper = spawn_lease_reaper(registry.clone(), Duration::from_millis(50));
+        let service = KvTransferService::new(registry).into_server();
+        let server = tokio::spawn(async move {
+            let result = tonic::transport::Server::builder()
+                .initial_stream_window_size(STREAM_WINDOW)
+                .initial_connection_window_size(CONNECTION_WINDOW)
+                .max_frame_size(1 << 20)
+                .add_service(service)
+                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+                    let _ = stopped.await;
+                })
+                .await;
+            if let Err(e) = result {
+                eprintln!("KV receiver on {addr} stopped: {e}");
+            }
+        });
+        Ok(GrpcKvReceiver { addr, stop, server, reaper })
+    }
+}
+
+impl crate::KvReceiver for GrpcKvReceiver {
+    fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    async fn shutdown(self) {
+        let _ = self.stop.send(());
+        let _ = self.server.await;
+        self.reaper.abort();
+    }
+}
