@@ -142,6 +142,12 @@ impl KvTransfer for GrpcTransfer {
             message: Some(Outgoing::Abort(pb::KvAbort { reason: reason.to_string() })),
         };
         // Best effort: if the receiver is gone its lease frees the blocks anyway.
-        let _ = self.push(message, "room to send the abort").await;
+        if self.push(message, "room to send the abort").await.is_ok() {
+            // Dropping the response stream would cancel the call before the abort is read:
+            // close our side and wait for the receiver to end the stream.
+            let GrpcTransfer { tx, mut inbound, timeout } = self;
+            drop(tx);
+            let _ = tokio::time::timeout(timeout, inbound.message()).await;
+        }
     }
 }
