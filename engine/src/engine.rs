@@ -141,6 +141,18 @@ impl Engine {
     /// Runs `tokens` into `kv` in chunks of at most `chunk` tokens; returns the `[vocab]`
     /// logits after the last one.
     pub fn prefill(&self, kv: &mut SequenceKv, tokens: &[u32], chunk: usize) -> Result<Tensor> {
+        self.prefill_observed(kv, tokens, chunk, &mut |_| {})
+    }
+
+    /// `prefill`, calling `layer_done(l)` once layer `l` holds the K/V of the whole prompt
+    /// (during the last chunk), so its blocks can be shipped while later layers compute.
+    pub fn prefill_observed(
+        &self,
+        kv: &mut SequenceKv,
+        tokens: &[u32],
+        chunk: usize,
+        layer_done: &mut dyn FnMut(usize),
+    ) -> Result<Tensor> {
         if tokens.is_empty() {
             return Err(EngineError::InvalidBatch("empty prompt".into()));
         }
@@ -153,7 +165,12 @@ impl Engine {
         let pieces = tokens.chunks(chunk);
         let last = pieces.len() - 1;
         for (i, piece) in pieces.enumerate() {
-            let out = self.forward(&mut [BatchSeq { tokens: piece, kv, want_logits: i == last }])?;
+            let mut batch = [BatchSeq { tokens: piece, kv: &mut *kv, want_logits: i == last }];
+            let out = if i == last {
+                self.model.forward_observed(&self.cache, &mut batch, layer_done)?
+            } else {
+                self.model.forward(&self.cache, &mut batch)?
+            };
             if i == last {
                 logits = Some(out.squeeze(0)?);
             }
@@ -178,15 +195,40 @@ impl Engine {
     /// `logits` (after a prefill here, or an import from another process).
     pub fn continue_generation(
         &self,
-        mut kv: SequenceKv,
-        mut logits: Tensor,
+        kv: SequenceKv,
+        logits: Tensor,
         params: &SamplingParams,
         on_token: &mut impl FnMut(&TokenOutput),
     ) -> Result<Generation> {
         let mut sampler = Sampler::new(params)?;
+        let first = sampler.sample(&logits)?;
+        self.decode_loop(kv, first, sampler, params, on_token)
+    }
+
+    /// Generates after `first_token`, which was sampled elsewhere (by a prefill worker) from
+    /// the logits after the prompt whose KV `kv` holds. Later tokens use a sampler seeded with
+    /// `params.seed` from here on.
+    pub fn decode_from(
+        &self,
+        kv: SequenceKv,
+        first_token: u32,
+        params: &SamplingParams,
+        on_token: &mut impl FnMut(&TokenOutput),
+    ) -> Result<Generation> {
+        let sampler = Sampler::new(params)?;
+        self.decode_loop(kv, first_token, sampler, params, on_token)
+    }
+
+    fn decode_loop(
+        &self,
+        mut kv: SequenceKv,
+        mut token: u32,
+        mut sampler: Sampler,
+        params: &SamplingParams,
+        on_token: &mut impl FnMut(&TokenOutput),
+    ) -> Result<Generation> {
         let mut tracker = OutputTracker::new(params.clone(), &self.tokenizer);
         loop {
-            let token = sampler.sample(&logits)?;
             let out = tracker.push(token, &self.tokenizer)?;
             on_token(&out);
             if let Some(finish) = out.finish {
@@ -197,10 +239,17 @@ impl Engine {
                     kv,
                 });
             }
-            logits = self
+            let logits = self
                 .forward(&mut [BatchSeq { tokens: &[token], kv: &mut kv, want_logits: true }])?
                 .squeeze(0)?;
+            token = sampler.sample(&logits)?;
         }
+    }
+
+    /// A sequence with blocks for `tokens` tokens taken up front (so its block ids are known
+    /// before the prefill, e.g. to ship its KV layer by layer).
+    pub fn sequence_with_capacity(&self, tokens: usize) -> Result<SequenceKv> {
+        Ok(SequenceKv::new(self.blocks.allocate(self.blocks.blocks_for(tokens))?))
     }
 
     /// `kv`'s K/V for `layers` as bytes.

@@ -162,6 +162,17 @@ impl Model {
     /// `want_logits`, in batch order. Each sequence's KV grows by its tokens; on error no
     /// sequence's length changes (blocks it grew into stay owned by it and are freed with it).
     pub fn forward(&self, cache: &KvCache, batch: &mut [BatchSeq<'_>]) -> Result<Tensor> {
+        self.forward_observed(cache, batch, &mut |_| {})
+    }
+
+    /// `forward`, calling `layer_done(l)` as soon as layer `l`'s K/V of every new token are in
+    /// the cache (so a prefill worker can start shipping layer `l` while later layers compute).
+    pub fn forward_observed(
+        &self,
+        cache: &KvCache,
+        batch: &mut [BatchSeq<'_>],
+        layer_done: &mut dyn FnMut(usize),
+    ) -> Result<Tensor> {
         let c = &self.config;
         if batch.is_empty() {
             return Err(EngineError::InvalidBatch("empty batch".into()));
@@ -232,6 +243,7 @@ impl Model {
             let k = self.rope(&qkv.narrow(1, q_width, kv_width)?, c.num_kv_heads, &cos, &sin)?;
             let v = qkv.narrow(1, q_width + kv_width, kv_width)?;
             cache.write(layer_idx, &slot_index, &k, &v)?;
+            layer_done(layer_idx);
             let attn = paged_attention(&q, cache, layer_idx, &plans, heads)?;
             x = (x + layer.out.forward(&attn)?)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;

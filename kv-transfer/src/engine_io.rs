@@ -1,0 +1,123 @@
+//! Connects the transfer to pd-engine: the geometry of a model's KV, reading a layer's blocks
+//! as frames on the sending side, and the engine's cache as the receiving side's sink.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::Tensor;
+use pd_engine::{Engine, SequenceKv, WireDType};
+use tokio::sync::mpsc;
+
+use crate::error::TransferError;
+use crate::receiver::KvSink;
+use crate::wire::{frame_runs, Frame, KvGeometry, TransferHeader};
+use crate::{CommitReceipt, KvSender, KvTransfer};
+
+/// The KV geometry of `engine`'s model and cache, shipped as `dtype`.
+pub fn geometry_of(engine: &Engine, dtype: WireDType) -> KvGeometry {
+    let c = engine.model().config();
+    KvGeometry {
+        model_fingerprint: engine.model().fingerprint(),
+        dtype,
+        num_layers: c.num_layers as u32,
+        block_size: engine.cache().block_size() as u32,
+        num_kv_heads: c.num_kv_heads as u32,
+        head_dim: c.head_dim as u32,
+    }
+}
+
+/// Frames carrying layer `layer` of the blocks `source_blocks` (in token order).
+pub fn layer_frames(
+    engine: &Engine,
+    layer: u32,
+    source_blocks: &[u32],
+    geometry: &KvGeometry,
+) -> Result<Vec<Frame>, TransferError> {
+    frame_runs(geometry, source_blocks.len())
+        .into_iter()
+        .map(|(first, count)| {
+            let ids = &source_blocks[first as usize..(first + count) as usize];
+            let data = pd_engine::kv::export::read_blocks(engine.cache(), layer as usize, ids, geometry.dtype)
+                .map_err(|e| TransferError::Sink(e.to_string()))?;
+            Ok(Frame::new(layer, first, count, data))
+        })
+        .collect()
+}
+
+impl KvSink for Engine {
+    fn write_blocks(&self, layer: u32, block_ids: &[u32], dtype: WireDType, data: &[u8]) -> Result<(), String> {
+        self.cache().write_blocks(layer, block_ids, dtype, data)
+    }
+}
+
+/// What a pipelined prefill-and-send measured.
+#[derive(Debug)]
+pub struct PrefillSent {
+    pub first_token: u32,
+    /// The prompt's KV on the prefill side (drop it to free the blocks).
+    pub source: SequenceKv,
+    pub receipt: CommitReceipt,
+    /// Whole prefill compute, first chunk to last layer.
+    pub prefill_time: Duration,
+    /// From the last layer's KV being computed to the receiver's commit confirmation: the
+    /// part of time-to-first-token the transfer adds.
+    pub last_layer_to_commit: Duration,
+}
+
+/// Prefills `prompt` on `engine` (chunks of `chunk` tokens) on a blocking thread and ships
+/// every layer as soon as it is computed, then commits with the greedy first token.
+/// `header` names the destination; its geometry must be `geometry_of(engine, ..)`.
+pub async fn prefill_and_send<S: KvSender>(
+    engine: Arc<Engine>,
+    prompt: Vec<u32>,
+    chunk: usize,
+    header: TransferHeader,
+    sender: &S,
+) -> Result<PrefillSent, TransferError> {
+    let engine_err = |e: pd_engine::EngineError| TransferError::Sink(e.to_string());
+    let geometry = header.geometry;
+    let tokens = prompt.len() as u32;
+    let source = engine.sequence_with_capacity(prompt.len()).map_err(engine_err)?;
+    let source_blocks = source.blocks().ids().to_vec();
+    if source_blocks.len() != header.block_ids.len() {
+        return Err(TransferError::Incompatible(format!(
+            "{} source blocks for {} destination blocks",
+            source_blocks.len(),
+            header.block_ids.len()
+        )));
+    }
+    let mut transfer = sender.start(header).await?;
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(usize, Instant)>();
+    let compute_engine = engine.clone();
+    let compute = tokio::task::spawn_blocking(move || {
+        let mut source = source;
+        let started = Instant::now();
+        let logits: Result<Tensor, _> = compute_engine.prefill_observed(&mut source, &prompt, chunk, &mut |layer| {
+            let _ = done_tx.send((layer, Instant::now()));
+        });
+        (logits, source, started.elapsed())
+    });
+    let mut last_layer_at = None;
+    while let Some((layer, at)) = done_rx.recv().await {
+        last_layer_at = Some(at);
+        for frame in layer_frames(&engine, layer as u32, &source_blocks, &geometry)? {
+            transfer.send(frame).await?;
+        }
+    }
+    let (logits, source, prefill_time) =
+        compute.await.map_err(|e| TransferError::Sink(format!("prefill thread: {e}")))?;
+    let logits = match logits {
+        Ok(l) => l,
+        Err(e) => {
+            transfer.abort(&format!("prefill failed: {e}")).await;
+            return Err(engine_err(e));
+        }
+    };
+    let first_token = logits
+        .argmax(0)
+        .and_then(|t| t.to_scalar::<u32>())
+        .map_err(|e| TransferError::Sink(e.to_string()))?;
+    let receipt = transfer.commit(first_token, tokens).await?;
+    let last_layer_to_commit = last_layer_at.map(|t| t.elapsed()).unwrap_or_default();
+    Ok(PrefillSent { first_token, source, receipt, prefill_time, last_layer_to_commit })
+}
