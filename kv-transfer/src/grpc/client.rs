@@ -34,6 +34,7 @@ impl GrpcKvSender {
         let endpoint = Endpoint::from_shared(format!("http://{addr}"))
             .map_err(transport)?
             .connect_timeout(timeout)
+            .tcp_nodelay(true)
             .initial_stream_window_size(Some(STREAM_WINDOW))
             .initial_connection_window_size(Some(CONNECTION_WINDOW))
             .http2_keep_alive_interval(Duration::from_secs(1))

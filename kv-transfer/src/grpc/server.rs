@@ -12,6 +12,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::{CONNECTION_WINDOW, FRAMES_IN_FLIGHT, MAX_MESSAGE, STREAM_WINDOW};
@@ -171,13 +172,19 @@ impl GrpcKvReceiver {
         let (stop, stopped) = oneshot::channel::<()>();
         let reaper = spawn_lease_reaper(registry.clone(), Duration::from_millis(50));
         let service = KvTransferService::new(registry).into_server();
+        // Small control messages (accept, commit) must not wait for Nagle's algorithm.
+        let incoming = TcpListenerStream::new(listener).map(|conn| {
+            conn.inspect(|stream| {
+                let _ = stream.set_nodelay(true);
+            })
+        });
         let server = tokio::spawn(async move {
             let result = tonic::transport::Server::builder()
                 .initial_stream_window_size(STREAM_WINDOW)
                 .initial_connection_window_size(CONNECTION_WINDOW)
                 .max_frame_size(1 << 20)
                 .add_service(service)
-                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+                .serve_with_incoming_shutdown(incoming, async {
                     let _ = stopped.await;
                 })
                 .await;
