@@ -7,12 +7,15 @@
 //! - `engine_io`: the engine's side: model geometry, layer frames, the cache as sink, and a
 //!   prefill that ships each layer as soon as it is computed.
 //! - `grpc`: the always-built transport (tonic bidirectional stream with backpressure).
+//! - `ucx` (feature `ucx`): the UCX transport (active messages; tcp, shared memory, RDMA).
 //! - `KvSender` / `KvReceiver`: what a transport backend provides.
 
 pub mod engine_io;
 pub mod error;
 pub mod grpc;
 pub mod receiver;
+#[cfg(feature = "ucx")]
+pub mod ucx;
 pub mod wire;
 
 use std::future::Future;

@@ -26,7 +26,7 @@ use pd_engine::{BlockAllocation, WireDType};
 use tokio::sync::oneshot;
 
 use crate::error::TransferError;
-use crate::wire::{Frame, KvGeometry, TransferHeader};
+use crate::wire::{Frame, FrameView, KvGeometry, TransferHeader};
 
 /// Where received KV is written: the decode worker's KV cache, or memory in tests and benches.
 pub trait KvSink: Send + Sync + 'static {
@@ -233,6 +233,11 @@ impl KvRegistry {
 
     /// Checks a frame against the reservation and writes it into the destination blocks.
     pub fn apply_frame(&self, id: &str, frame: &Frame) -> Result<(), TransferError> {
+        self.apply_frame_view(id, frame.view())
+    }
+
+    /// `apply_frame` for a frame whose data is borrowed from a receive buffer.
+    pub fn apply_frame_view(&self, id: &str, frame: FrameView<'_>) -> Result<(), TransferError> {
         self.with_entry(id, |e| {
             if !e.open {
                 return Err(TransferError::Protocol("frame before the header was accepted".into()));
@@ -250,7 +255,7 @@ impl KvRegistry {
             if frame.data.len() != expected {
                 return Err(TransferError::ShapeMismatch { layer: frame.layer, got: frame.data.len(), expected });
             }
-            if crc32fast::hash(&frame.data) != frame.checksum {
+            if crc32fast::hash(frame.data) != frame.checksum {
                 return Err(TransferError::ChecksumMismatch {
                     layer: frame.layer,
                     first: frame.first_block,
@@ -263,7 +268,7 @@ impl KvRegistry {
                 return Err(TransferError::DuplicateFrame { layer: frame.layer, block: frame.first_block + dup as u32 });
             }
             let ids = &e.block_ids[first as usize..end as usize];
-            self.sink.write_blocks(frame.layer, ids, g.dtype, &frame.data).map_err(TransferError::Sink)?;
+            self.sink.write_blocks(frame.layer, ids, g.dtype, frame.data).map_err(TransferError::Sink)?;
             e.received[range].iter_mut().for_each(|r| *r = true);
             e.missing -= frame.block_count as usize;
             e.bytes += frame.data.len() as u64;

@@ -106,6 +106,28 @@ impl Frame {
     }
 }
 
+/// A frame whose data is borrowed (from a transport's receive buffer).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FrameView<'a> {
+    pub layer: u32,
+    pub first_block: u32,
+    pub block_count: u32,
+    pub checksum: u32,
+    pub data: &'a [u8],
+}
+
+impl Frame {
+    pub fn view(&self) -> FrameView<'_> {
+        FrameView {
+            layer: self.layer,
+            first_block: self.first_block,
+            block_count: self.block_count,
+            checksum: self.checksum,
+            data: &self.data,
+        }
+    }
+}
+
 /// Splits `num_blocks` blocks into frame-sized runs `(first, count)`.
 pub fn frame_runs(geometry: &KvGeometry, num_blocks: usize) -> Vec<(u32, u32)> {
     let per = geometry.blocks_per_frame();
