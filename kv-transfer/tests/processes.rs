@@ -61,14 +61,22 @@ fn parse_blocks(line: &str) -> Vec<u32> {
     line.trim_start_matches("blocks ").split(',').map(|id| id.parse().expect("block id")).collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_receiver_fails_the_sender_within_its_timeout() {
-    let (mut peer, lines) =
-        spawn(&["receive", "--transfer-id", "victim", "--tokens", "512", "--layers", "4", "--lease-ms", "60000"]);
+/// Starts a receiver process on `transport`, streams into it from this process through
+/// `connect`, kills it, and checks the sender fails within its timeout.
+async fn killed_receiver_case<S, F, Fut>(transport: &str, connect: F)
+where
+    S: KvSender,
+    F: FnOnce(String, Duration) -> Fut,
+    Fut: std::future::Future<Output = S>,
+{
+    let (mut peer, lines) = spawn(&[
+        "receive", "--transport", transport, "--transfer-id", "victim", "--tokens", "512", "--layers", "4", "--lease-ms",
+        "60000",
+    ]);
     let addr = wait_for(&lines, "listening ").trim_start_matches("listening ").to_string();
     let block_ids = parse_blocks(&wait_for(&lines, "blocks "));
     let timeout = Duration::from_secs(2);
-    let sender = GrpcKvSender::connect(&addr, timeout).await.expect("connect");
+    let sender = connect(addr, timeout).await;
     let header = pd_kv_transfer::TransferHeader {
         transfer_id: "victim".into(),
         geometry: pd_kv_transfer::KvGeometry {
@@ -102,35 +110,81 @@ async fn killed_receiver_fails_the_sender_within_its_timeout() {
         Ok(()) => transfer.commit(1, 512).await.expect_err("receiver is dead"),
     };
     let took = killed_at.elapsed();
-    assert!(took <= timeout + Duration::from_millis(500), "sender noticed after {took:?}: {err}");
-    assert!(matches!(err.kind(), "transport" | "timeout"), "{err}");
+    assert!(took <= timeout + Duration::from_millis(500), "{transport}: sender noticed after {took:?}: {err}");
+    assert!(matches!(err.kind(), "transport" | "timeout"), "{transport}: {err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_sender_leaves_blocks_reserved_until_the_lease_frees_them() {
+async fn killed_receiver_fails_the_sender_within_its_timeout() {
+    killed_receiver_case("grpc", |addr, timeout| async move {
+        GrpcKvSender::connect(&addr, timeout).await.expect("connect")
+    })
+    .await;
+}
+
+#[cfg(feature = "ucx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_ucx_receiver_fails_the_sender_within_its_timeout() {
+    use pd_kv_transfer::ucx::{UcxConfig, UcxKvSender};
+    killed_receiver_case("ucx-tcp", |addr, timeout| async move {
+        UcxKvSender::connect(addr.parse().expect("addr"), UcxConfig::loopback_tcp(), timeout).await.expect("connect")
+    })
+    .await;
+}
+
+/// Receives here on `transport`, kills the sending process mid-transfer, and checks the
+/// blocks stay reserved until the lease ends and are then all freed.
+async fn killed_sender_case(transport: &str) {
     let r = Receiver::new(geometry(WireDType::F16, 4), 32);
     let lease = Duration::from_millis(1500);
     let (header, outcome) = r.reserve("orphan", 512, lease);
     let ids: Vec<String> = header.block_ids.iter().map(u32::to_string).collect();
     let ids = ids.join(",");
     let reserved_at = Instant::now();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let server = GrpcKvReceiver::start(r.registry.clone(), listener).expect("receiver");
-    let addr = server.local_addr().to_string();
+    let (server, addr): (Box<dyn std::any::Any + Send>, String) = match transport {
+        "grpc" => {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let server = GrpcKvReceiver::start(r.registry.clone(), listener).expect("receiver");
+            let addr = server.local_addr().to_string();
+            (Box::new(server), addr)
+        }
+        #[cfg(feature = "ucx")]
+        _ => {
+            use pd_kv_transfer::ucx::{UcxConfig, UcxKvReceiver};
+            let loopback = "127.0.0.1:0".parse().expect("addr");
+            let server = UcxKvReceiver::start(r.registry.clone(), UcxConfig::loopback_tcp(), loopback).expect("receiver");
+            let addr = server.local_addr().to_string();
+            (Box::new(server), addr)
+        }
+        #[cfg(not(feature = "ucx"))]
+        other => panic!("transport {other} needs the ucx feature"),
+    };
     let (mut peer, lines) = spawn(&[
-        "send", "--to", &addr, "--block-ids", &ids, "--transfer-id", "orphan", "--tokens", "512", "--layers", "4", "--frame-delay-ms", "100",
+        "send", "--transport", transport, "--to", &addr, "--block-ids", &ids, "--transfer-id", "orphan", "--tokens",
+        "512", "--layers", "4", "--frame-delay-ms", "100",
     ]);
     wait_for(&lines, "sent 2");
     peer.0.kill().expect("kill sender");
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(r.blocks.free_blocks(), 0, "blocks stay reserved for a retry while the lease holds");
+    assert_eq!(r.blocks.free_blocks(), 0, "{transport}: blocks stay reserved for a retry while the lease holds");
     let err = outcome.await.expect("outcome").expect_err("never committed");
-    assert_eq!(err.kind(), "lease_expired", "{err}");
+    assert_eq!(err.kind(), "lease_expired", "{transport}: {err}");
     let freed_after = reserved_at.elapsed();
     assert!(freed_after >= lease && freed_after < lease + Duration::from_secs(1), "freed after {freed_after:?}");
-    assert!(r.all_free(), "every block is back");
+    assert!(r.all_free(), "{transport}: every block is back");
     assert!(r.registry.is_empty());
-    server.shutdown().await;
+    drop(server);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_sender_leaves_blocks_reserved_until_the_lease_frees_them() {
+    killed_sender_case("grpc").await;
+}
+
+#[cfg(feature = "ucx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_ucx_sender_leaves_blocks_reserved_until_the_lease_frees_them() {
+    killed_sender_case("ucx-tcp").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -55,9 +55,29 @@ enum Command {
     },
 }
 
+/// Which transport to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Transport {
+    Grpc,
+    /// UCX over TCP on loopback (needs the `ucx` feature).
+    UcxTcp,
+    /// UCX over shared memory (needs the `ucx` feature).
+    UcxShm,
+}
+
+#[cfg(feature = "ucx")]
+fn ucx_config(t: Transport) -> pd_kv_transfer::ucx::UcxConfig {
+    match t {
+        Transport::UcxShm => pd_kv_transfer::ucx::UcxConfig::loopback_shared_memory(),
+        _ => pd_kv_transfer::ucx::UcxConfig::loopback_tcp(),
+    }
+}
+
 /// What both ends agree on.
 #[derive(Debug, Args)]
 struct TransferArgs {
+    #[arg(long, value_enum, default_value = "grpc")]
+    transport: Transport,
     #[arg(long, default_value = "peer")]
     transfer_id: String,
     #[arg(long, default_value_t = 512)]
@@ -121,10 +141,23 @@ async fn receive(listen: &str, lease_ms: u64, args: &TransferArgs) -> anyhow::Re
         num_tokens: args.tokens,
         lease: Duration::from_millis(lease_ms),
     })?;
-    let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
     let ids: Vec<String> = reserved_ids.iter().map(u32::to_string).collect();
-    let server = GrpcKvReceiver::start(registry, listener)?;
-    say(&format!("listening {}", server.local_addr()));
+    let server: Box<dyn std::any::Any> = match args.transport {
+        Transport::Grpc => {
+            let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
+            let server = GrpcKvReceiver::start(registry, listener)?;
+            say(&format!("listening {}", server.local_addr()));
+            Box::new(server)
+        }
+        #[cfg(feature = "ucx")]
+        t => {
+            let server = pd_kv_transfer::ucx::UcxKvReceiver::start(registry, ucx_config(t), listen.parse()?)?;
+            say(&format!("listening {}", server.local_addr()));
+            Box::new(server)
+        }
+        #[cfg(not(feature = "ucx"))]
+        _ => anyhow::bail!("this build has no UCX transport; rebuild with `--features ucx`"),
+    };
     say(&format!("blocks {}", ids.join(",")));
     match outcome.await {
         Ok(Ok(committed)) => {
@@ -135,13 +168,26 @@ async fn receive(listen: &str, lease_ms: u64, args: &TransferArgs) -> anyhow::Re
         Err(_) => say("outcome lost"),
     }
     say(&format!("free_blocks {} of {}", blocks.free_blocks(), blocks.total_blocks()));
-    server.shutdown().await;
+    drop(server); // both receivers stop when dropped
     Ok(())
 }
 
 async fn send(to: &str, block_ids: Vec<u32>, frame_delay_ms: u64, timeout_ms: u64, args: &TransferArgs) -> anyhow::Result<()> {
+    let timeout = Duration::from_millis(timeout_ms);
+    match args.transport {
+        Transport::Grpc => send_with(&GrpcKvSender::connect(to, timeout).await?, block_ids, frame_delay_ms, args).await,
+        #[cfg(feature = "ucx")]
+        t => {
+            let sender = pd_kv_transfer::ucx::UcxKvSender::connect(to.parse()?, ucx_config(t), timeout).await?;
+            send_with(&sender, block_ids, frame_delay_ms, args).await
+        }
+        #[cfg(not(feature = "ucx"))]
+        _ => anyhow::bail!("this build has no UCX transport; rebuild with `--features ucx`"),
+    }
+}
+
+async fn send_with<S: KvSender>(sender: &S, block_ids: Vec<u32>, frame_delay_ms: u64, args: &TransferArgs) -> anyhow::Result<()> {
     let geometry = args.geometry();
-    let sender = GrpcKvSender::connect(to, Duration::from_millis(timeout_ms)).await?;
     let header = TransferHeader {
         transfer_id: args.transfer_id.clone(),
         geometry,

@@ -156,12 +156,12 @@ pub fn spawn_lease_reaper(registry: Arc<KvRegistry>, period: Duration) -> JoinHa
     })
 }
 
-/// A running gRPC KV receiver (server plus lease reaper).
+/// A running gRPC KV receiver (server plus lease reaper); stops when shut down or dropped.
 #[derive(Debug)]
 pub struct GrpcKvReceiver {
     addr: SocketAddr,
-    stop: oneshot::Sender<()>,
-    server: JoinHandle<()>,
+    stop: Option<oneshot::Sender<()>>,
+    server: Option<JoinHandle<()>>,
     reaper: JoinHandle<()>,
 }
 
@@ -192,7 +192,14 @@ impl GrpcKvReceiver {
                 eprintln!("KV receiver on {addr} stopped: {e}");
             }
         });
-        Ok(GrpcKvReceiver { addr, stop, server, reaper })
+        Ok(GrpcKvReceiver { addr, stop: Some(stop), server: Some(server), reaper })
+    }
+}
+
+impl Drop for GrpcKvReceiver {
+    fn drop(&mut self) {
+        // Dropping `stop` ends the server; the reaper has to be stopped by hand.
+        self.reaper.abort();
     }
 }
 
@@ -201,9 +208,12 @@ impl crate::KvReceiver for GrpcKvReceiver {
         self.addr
     }
 
-    async fn shutdown(self) {
-        let _ = self.stop.send(());
-        let _ = self.server.await;
-        self.reaper.abort();
+    async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(server) = self.server.take() {
+            let _ = server.await;
+        }
     }
 }

@@ -313,16 +313,20 @@ fn run(
         }
         for ep in std::mem::take(&mut ctx.failed) {
             busy = true;
-            if let Some(ids) = ctx.eps.remove(&(ep as usize)) {
-                for id in ids {
-                    ctx.registry.detach(&id); // the lease frees the blocks if no retry comes
-                }
+            // UCX may report one endpoint more than once (also while closing it): close only
+            // endpoints still known, once.
+            let Some(ids) = ctx.eps.remove(&(ep as usize)) else { continue };
+            for id in ids {
+                ctx.registry.detach(&id); // the lease frees the blocks if no retry comes
             }
+            ctx.replies.retain(|(to, _)| *to != ep);
             worker.close_ep(ep);
         }
         for (ep, body) in std::mem::take(&mut ctx.replies) {
             busy = true;
-            send_reply(&worker, ep, &body);
+            if ctx.eps.contains_key(&(ep as usize)) {
+                send_reply(&worker, ep, &body);
+            }
         }
         ctx.registry.expire_due();
         if busy {
