@@ -136,7 +136,8 @@ async fn killed_ucx_receiver_fails_the_sender_within_its_timeout() {
 /// blocks stay reserved until the lease ends and are then all freed.
 async fn killed_sender_case(transport: &str) {
     let r = Receiver::new(geometry(WireDType::F16, 4), 32);
-    let lease = Duration::from_millis(1500);
+    // Long enough for a sender process to start and connect on a loaded 2-core machine.
+    let lease = Duration::from_millis(4000);
     let (header, outcome) = r.reserve("orphan", 512, lease);
     let ids: Vec<String> = header.block_ids.iter().map(u32::to_string).collect();
     let ids = ids.join(",");

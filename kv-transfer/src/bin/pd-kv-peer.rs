@@ -142,22 +142,17 @@ async fn receive(listen: &str, lease_ms: u64, args: &TransferArgs) -> anyhow::Re
         lease: Duration::from_millis(lease_ms),
     })?;
     let ids: Vec<String> = reserved_ids.iter().map(u32::to_string).collect();
-    let server: Box<dyn std::any::Any> = match args.transport {
+    let server = match args.transport {
         Transport::Grpc => {
             let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
-            let server = GrpcKvReceiver::start(registry, listener)?;
-            say(&format!("listening {}", server.local_addr()));
-            Box::new(server)
+            AnyReceiver::Grpc(GrpcKvReceiver::start(registry, listener)?)
         }
         #[cfg(feature = "ucx")]
-        t => {
-            let server = pd_kv_transfer::ucx::UcxKvReceiver::start(registry, ucx_config(t), listen.parse()?)?;
-            say(&format!("listening {}", server.local_addr()));
-            Box::new(server)
-        }
+        t => AnyReceiver::Ucx(pd_kv_transfer::ucx::UcxKvReceiver::start(registry, ucx_config(t), listen.parse()?)?),
         #[cfg(not(feature = "ucx"))]
         _ => anyhow::bail!("this build has no UCX transport; rebuild with `--features ucx`"),
     };
+    say(&format!("listening {}", server.local_addr()));
     say(&format!("blocks {}", ids.join(",")));
     match outcome.await {
         Ok(Ok(committed)) => {
@@ -168,8 +163,34 @@ async fn receive(listen: &str, lease_ms: u64, args: &TransferArgs) -> anyhow::Re
         Err(_) => say("outcome lost"),
     }
     say(&format!("free_blocks {} of {}", blocks.free_blocks(), blocks.total_blocks()));
-    drop(server); // both receivers stop when dropped
+    // Graceful: the sender's commit confirmation leaves before the process exits.
+    server.shutdown().await;
     Ok(())
+}
+
+/// The receiver of either transport.
+enum AnyReceiver {
+    Grpc(GrpcKvReceiver),
+    #[cfg(feature = "ucx")]
+    Ucx(pd_kv_transfer::ucx::UcxKvReceiver),
+}
+
+impl AnyReceiver {
+    fn local_addr(&self) -> std::net::SocketAddr {
+        match self {
+            AnyReceiver::Grpc(r) => r.local_addr(),
+            #[cfg(feature = "ucx")]
+            AnyReceiver::Ucx(r) => r.local_addr(),
+        }
+    }
+
+    async fn shutdown(self) {
+        match self {
+            AnyReceiver::Grpc(r) => r.shutdown().await,
+            #[cfg(feature = "ucx")]
+            AnyReceiver::Ucx(r) => r.shutdown().await,
+        }
+    }
 }
 
 async fn send(to: &str, block_ids: Vec<u32>, frame_delay_ms: u64, timeout_ms: u64, args: &TransferArgs) -> anyhow::Result<()> {

@@ -151,8 +151,10 @@ unsafe extern "C" fn on_rndv_done(request: *mut std::ffi::c_void, status: sys::u
     if status == sys::ucs_status_t::UCS_OK {
         ctx.handle(ep, id.clone(), message, &buffer);
     } else {
-        let e = ctx.registry.reject(&id, status_error("receiving a frame", status));
-        ctx.refuse(ep, &id, &e);
+        // The sender (or the link) failed mid-frame: like a closed stream, forget what arrived
+        // and keep the blocks for a retry until the lease ends.
+        let _ = status_error("receiving a frame", status);
+        ctx.registry.detach(&id);
     }
     ctx.arrived(&id);
     if !request.is_null() {
@@ -337,6 +339,13 @@ fn run(
             if idle_rounds > 64 {
                 std::thread::sleep(Duration::from_micros(if idle_rounds > 4096 { 1000 } else { 50 }));
             }
+        }
+    }
+    // Let replies already handed to UCX (a commit confirmation) leave before closing.
+    let flush_until = std::time::Instant::now() + Duration::from_millis(100);
+    while std::time::Instant::now() < flush_until {
+        if !worker.progress() {
+            std::thread::sleep(Duration::from_micros(200));
         }
     }
     let eps: Vec<usize> = ctx.eps.keys().copied().collect();
