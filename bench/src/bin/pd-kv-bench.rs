@@ -68,14 +68,53 @@ fn memcpy_gbps(bytes: usize, repeat: usize) -> f64 {
     bytes as f64 / best / 1e9
 }
 
-async fn grpc_gbps(mib: usize, repeat: usize) -> anyhow::Result<f64> {
+/// Which transport a throughput row measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Transport {
+    Grpc,
+    #[cfg(feature = "ucx")]
+    UcxTcp,
+    #[cfg(feature = "ucx")]
+    UcxShm,
+}
+
+async fn throughput_gbps(transport: Transport, mib: usize, repeat: usize) -> anyhow::Result<f64> {
     let g = geometry();
     let blocks = mib * MIB / g.num_layers as usize / g.frame_bytes(1);
     anyhow::ensure!(blocks > 0, "{mib} MiB is smaller than one block per layer");
     let pool = BlockManager::new(blocks, g.block_size as usize);
     let registry = KvRegistry::new(Arc::new(MemorySink::new(g, blocks)));
-    let server = GrpcKvReceiver::start(registry.clone(), tokio::net::TcpListener::bind("127.0.0.1:0").await?)?;
-    let sender = GrpcKvSender::connect(&server.local_addr().to_string(), Duration::from_secs(30)).await?;
+    match transport {
+        Transport::Grpc => {
+            let server = GrpcKvReceiver::start(registry.clone(), tokio::net::TcpListener::bind("127.0.0.1:0").await?)?;
+            let sender = GrpcKvSender::connect(&server.local_addr().to_string(), Duration::from_secs(30)).await?;
+            let gbps = run_transfers(&sender, &registry, &pool, g, blocks, mib, repeat).await;
+            server.shutdown().await;
+            gbps
+        }
+        #[cfg(feature = "ucx")]
+        t => {
+            use pd_kv_transfer::ucx::{UcxConfig, UcxKvReceiver, UcxKvSender};
+            let config = if t == Transport::UcxShm { UcxConfig::loopback_shared_memory() } else { UcxConfig::loopback_tcp() };
+            let server = UcxKvReceiver::start(registry.clone(), config.clone(), "127.0.0.1:0".parse()?)?;
+            let sender = UcxKvSender::connect(server.local_addr(), config, Duration::from_secs(30)).await?;
+            let gbps = run_transfers(&sender, &registry, &pool, g, blocks, mib, repeat).await;
+            drop(sender);
+            server.shutdown().await;
+            gbps
+        }
+    }
+}
+
+async fn run_transfers<S: KvSender>(
+    sender: &S,
+    registry: &Arc<KvRegistry>,
+    pool: &BlockManager,
+    g: KvGeometry,
+    blocks: usize,
+    mib: usize,
+    repeat: usize,
+) -> anyhow::Result<f64> {
     let layer_bytes: Vec<u8> = (0..g.frame_bytes(blocks)).map(|i| (i * 7 % 253) as u8).collect();
     let mut best = f64::MAX;
     for round in 0..repeat {
@@ -109,7 +148,6 @@ async fn grpc_gbps(mib: usize, repeat: usize) -> anyhow::Result<f64> {
         anyhow::ensure!(receipt.bytes as usize == mib * MIB, "sent {} bytes", receipt.bytes);
         drop(outcome.await?.map_err(|e| anyhow::anyhow!("{e}"))?);
     }
-    server.shutdown().await;
     Ok((mib * MIB) as f64 / best / 1e9)
 }
 
@@ -172,12 +210,23 @@ async fn ttft_part(args: &Args) -> anyhow::Result<()> {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     pd_engine::set_compute_threads(args.threads)?;
-    println!("| size | memcpy GB/s | gRPC GB/s | gRPC / memcpy |");
-    println!("|---|---|---|---|");
+    let transports: Vec<(&str, Transport)> = vec![
+        ("gRPC", Transport::Grpc),
+        #[cfg(feature = "ucx")]
+        ("UCX tcp", Transport::UcxTcp),
+        #[cfg(feature = "ucx")]
+        ("UCX shared memory", Transport::UcxShm),
+    ];
+    println!("| size | memcpy GB/s | {} |", transports.iter().map(|(n, _)| format!("{n} GB/s (x memcpy)")).collect::<Vec<_>>().join(" | "));
+    println!("|---|---|{}", "---|".repeat(transports.len()));
     for &mib in &args.sizes {
         let copy = memcpy_gbps(mib * MIB, args.repeat);
-        let grpc = grpc_gbps(mib, args.repeat).await?;
-        println!("| {mib} MiB | {copy:.2} | {grpc:.2} | {:.2}x |", grpc / copy);
+        let mut cells = Vec::new();
+        for (_, t) in &transports {
+            let gbps = throughput_gbps(*t, mib, args.repeat).await?;
+            cells.push(format!("{gbps:.2} ({:.2}x)", gbps / copy));
+        }
+        println!("| {mib} MiB | {copy:.2} | {} |", cells.join(" | "));
     }
     ttft_part(&args).await
 }

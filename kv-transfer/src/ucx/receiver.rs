@@ -142,13 +142,15 @@ unsafe extern "C" fn on_ep_error(arg: *mut std::ffi::c_void, ep: sys::ucp_ep_h, 
     ctx.failed.push(ep);
 }
 
-unsafe extern "C" fn on_rndv_done(request: *mut std::ffi::c_void, status: sys::ucs_status_t, _length: usize, user: *mut std::ffi::c_void) {
+unsafe extern "C" fn on_rndv_done(request: *mut std::ffi::c_void, status: sys::ucs_status_t, length: usize, user: *mut std::ffi::c_void) {
     // SAFETY: `user` is the Box<Staged> leaked when the receive started; taken back once here.
     let staged = unsafe { Box::from_raw(user as *mut Staged) };
     // SAFETY: the Ctx outlives every operation on its worker.
     let ctx = unsafe { &mut *staged.ctx };
-    let Staged { ep, id, message, buffer, .. } = *staged;
+    let Staged { ep, id, message, mut buffer, .. } = *staged;
     if status == sys::ucs_status_t::UCS_OK {
+        // SAFETY: UCX wrote all `length` bytes (the full message) into the buffer's capacity.
+        unsafe { buffer.set_len(buffer.capacity().min(length)) };
         ctx.handle(ep, id.clone(), message, &buffer);
     } else {
         // The sender (or the link) failed mid-frame: like a closed stream, forget what arrived
@@ -191,7 +193,9 @@ unsafe extern "C" fn on_message(
         return sys::ucs_status_t::UCS_OK;
     }
     *ctx.arriving.entry(id.clone()).or_insert(0) += 1;
-    let mut staged = Box::new(Staged { ctx: ctx as *mut Ctx, ep, id, message: message.message, buffer: vec![0u8; length] });
+    // Not zeroed: UCX fills it, and its length is set only once the receive completed.
+    let mut staged =
+        Box::new(Staged { ctx: ctx as *mut Ctx, ep, id, message: message.message, buffer: Vec::with_capacity(length) });
     let buffer = staged.buffer.as_mut_ptr();
     let user = Box::into_raw(staged) as *mut std::ffi::c_void;
     let mut params = sys::ucp_request_param_t {

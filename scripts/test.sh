@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The test command of the README: system packages, the model, then every test of the
+# workspace (UCX transport included), built once in release mode into target/.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+scripts/install-deps.sh
+scripts/fetch-model.sh
+# Tests and local runs keep UCX on loopback (the code sets these too; this covers child tools).
+export UCX_NET_DEVICES=lo UCX_TLS="${UCX_TLS:-posix,sysv,cma,tcp}"
+cargo test --release --workspace --features pd-kv-transfer/ucx,pd-bench/ucx "$@"
