@@ -59,9 +59,12 @@ pub struct PrefillSent {
     pub receipt: CommitReceipt,
     /// Whole prefill compute, first chunk to last layer.
     pub prefill_time: Duration,
-    /// From the last layer's KV being computed to the receiver's commit confirmation: the
-    /// part of time-to-first-token the transfer adds.
+    /// From the last layer's KV being written (its attention and MLP, and the logits, still
+    /// to compute) to the receiver's commit confirmation.
     pub last_layer_to_commit: Duration,
+    /// From the prefill's logits being ready to the commit confirmation: what the transfer
+    /// adds to time-to-first-token.
+    pub prefill_end_to_commit: Duration,
 }
 
 /// Prefills `prompt` on `engine` (chunks of `chunk` tokens) on a blocking thread and ships
@@ -95,7 +98,7 @@ pub async fn prefill_and_send<S: KvSender>(
         let logits: Result<Tensor, _> = compute_engine.prefill_observed(&mut source, &prompt, chunk, &mut |layer| {
             let _ = done_tx.send((layer, Instant::now()));
         });
-        (logits, source, started.elapsed())
+        (logits, source, started.elapsed(), Instant::now())
     });
     let mut last_layer_at = None;
     while let Some((layer, at)) = done_rx.recv().await {
@@ -104,7 +107,7 @@ pub async fn prefill_and_send<S: KvSender>(
             transfer.send(frame).await?;
         }
     }
-    let (logits, source, prefill_time) =
+    let (logits, source, prefill_time, prefill_end) =
         compute.await.map_err(|e| TransferError::Sink(format!("prefill thread: {e}")))?;
     let logits = match logits {
         Ok(l) => l,
@@ -119,5 +122,6 @@ pub async fn prefill_and_send<S: KvSender>(
         .map_err(|e| TransferError::Sink(e.to_string()))?;
     let receipt = transfer.commit(first_token, tokens).await?;
     let last_layer_to_commit = last_layer_at.map(|t| t.elapsed()).unwrap_or_default();
-    Ok(PrefillSent { first_token, source, receipt, prefill_time, last_layer_to_commit })
+    let prefill_end_to_commit = prefill_end.elapsed();
+    Ok(PrefillSent { first_token, source, receipt, prefill_time, last_layer_to_commit, prefill_end_to_commit })
 }
