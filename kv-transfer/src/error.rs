@@ -69,6 +69,17 @@ impl TransferError {
         }
     }
 
+    /// The error a receiver's refusal (`KvRefused { kind, reason }`) stands for, on the sender.
+    pub fn from_refusal(kind: &str, reason: String) -> Self {
+        match kind {
+            "incompatible" => TransferError::Incompatible(reason),
+            "unknown_transfer" => TransferError::UnknownTransfer(reason),
+            "lease_expired" => TransferError::LeaseExpired(reason),
+            "incomplete" => TransferError::Incomplete(reason),
+            other => TransferError::Protocol(format!("refused ({other}): {reason}")),
+        }
+    }
+
     /// The gRPC status for this error.
     pub fn to_status(&self) -> tonic::Status {
         use tonic::Code;

@@ -50,21 +50,9 @@ impl GrpcKvSender {
 
 fn refusal(message: Option<pb::KvReceiverMessage>) -> TransferError {
     match message.and_then(|m| m.message) {
-        Some(Reply::Refused(r)) => remote_error(&r),
+        Some(Reply::Refused(r)) => TransferError::from_refusal(&r.kind, r.reason),
         Some(other) => TransferError::Protocol(format!("unexpected reply {other:?}")),
         None => TransferError::Transport("the receiver closed the stream".into()),
-    }
-}
-
-/// The receiver's refusal as the error it names.
-fn remote_error(r: &pb::KvRefused) -> TransferError {
-    let reason = r.reason.clone();
-    match r.kind.as_str() {
-        "incompatible" => TransferError::Incompatible(reason),
-        "unknown_transfer" => TransferError::UnknownTransfer(reason),
-        "lease_expired" => TransferError::LeaseExpired(reason),
-        "incomplete" => TransferError::Incomplete(reason),
-        _ => TransferError::Protocol(format!("refused ({}): {reason}", r.kind)),
     }
 }
 

@@ -158,13 +158,7 @@ fn message(id: &str, m: Outgoing) -> Vec<u8> {
 
 fn refusal(reply: Option<Result<Reply, TransferError>>) -> TransferError {
     match reply {
-        Some(Ok(Reply::Refused(r))) => match r.kind.as_str() {
-            "incompatible" => TransferError::Incompatible(r.reason),
-            "unknown_transfer" => TransferError::UnknownTransfer(r.reason),
-            "lease_expired" => TransferError::LeaseExpired(r.reason),
-            "incomplete" => TransferError::Incomplete(r.reason),
-            kind => TransferError::Protocol(format!("refused ({kind}): {}", r.reason)),
-        },
+        Some(Ok(Reply::Refused(r))) => TransferError::from_refusal(&r.kind, r.reason),
         Some(Ok(other)) => TransferError::Protocol(format!("unexpected reply {other:?}")),
         Some(Err(e)) => e,
         None => TransferError::Transport("the UCX thread ended".into()),
