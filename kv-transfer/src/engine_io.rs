@@ -68,7 +68,8 @@ pub struct PrefillSent {
 }
 
 /// Prefills `prompt` on `engine` (chunks of `chunk` tokens) on a blocking thread and ships
-/// every layer as soon as it is computed, then commits with the greedy first token.
+/// every layer as soon as it is computed, then commits with the first token sampled with
+/// `sampling` (greedy when its temperature is 0).
 /// `header` names the destination; its geometry must be `geometry_of(engine, ..)`.
 pub async fn prefill_and_send<S: KvSender>(
     engine: Arc<Engine>,
@@ -76,8 +77,10 @@ pub async fn prefill_and_send<S: KvSender>(
     chunk: usize,
     header: TransferHeader,
     sender: &S,
+    sampling: &pd_engine::SamplingParams,
 ) -> Result<PrefillSent, TransferError> {
     let engine_err = |e: pd_engine::EngineError| TransferError::Sink(e.to_string());
+    pd_engine::Sampler::new(sampling).map_err(engine_err)?;
     let geometry = header.geometry;
     let tokens = prompt.len() as u32;
     let source = engine.sequence_with_capacity(prompt.len()).map_err(engine_err)?;
@@ -116,10 +119,13 @@ pub async fn prefill_and_send<S: KvSender>(
             return Err(engine_err(e));
         }
     };
-    let first_token = logits
-        .argmax(0)
-        .and_then(|t| t.to_scalar::<u32>())
-        .map_err(|e| TransferError::Sink(e.to_string()))?;
+    let first_token = match pd_engine::Sampler::new(sampling).and_then(|mut s| s.sample(&logits)) {
+        Ok(t) => t,
+        Err(e) => {
+            transfer.abort(&format!("sampling the first token failed: {e}")).await;
+            return Err(engine_err(e));
+        }
+    };
     let receipt = transfer.commit(first_token, tokens).await?;
     let last_layer_to_commit = last_layer_at.map(|t| t.elapsed()).unwrap_or_default();
     let prefill_end_to_commit = prefill_end.elapsed();

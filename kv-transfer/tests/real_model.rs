@@ -62,7 +62,7 @@ async fn prefill_transfer_decode_gives_the_uninterrupted_greedy_tokens() {
                 })
                 .expect("reservation");
             // Chunks of 16 tokens: the last chunk ships layers while later layers compute.
-            let sent = prefill_and_send(prefill.clone(), prompt.clone(), 16, header, &sender).await.expect("sent");
+            let sent = prefill_and_send(prefill.clone(), prompt.clone(), 16, header, &sender, &greedy).await.expect("sent");
             drop(sent.source);
             let committed = outcome.await.expect("outcome").expect("committed");
             assert_eq!(committed.first_token, expected[0]);

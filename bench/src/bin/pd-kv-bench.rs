@@ -188,7 +188,7 @@ async fn ttft_part(args: &Args) -> anyhow::Result<()> {
             num_tokens: prompt.len() as u32,
             lease: Duration::from_secs(120),
         })?;
-        let sent = prefill_and_send(prefill.clone(), prompt.clone(), 512, header, &sender).await?;
+        let sent = prefill_and_send(prefill.clone(), prompt.clone(), 512, header, &sender, &pd_engine::SamplingParams::greedy(1)).await?;
         drop(outcome.await?.map_err(|e| anyhow::anyhow!("{e}"))?);
         rows[0].push(format!("{:.2} s", sent.prefill_time.as_secs_f64()));
         rows[1].push(format!("{:.1} MB", sent.receipt.bytes as f64 / 1e6));

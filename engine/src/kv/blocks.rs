@@ -137,6 +137,16 @@ impl BlockAllocation {
         Ok(())
     }
 
+    /// Appends `other`'s blocks (from the same pool) after this allocation's, so a sequence
+    /// can own blocks reserved separately for its prompt and for its growth.
+    pub fn absorb(&mut self, mut other: BlockAllocation) -> Result<()> {
+        if !Arc::ptr_eq(&self.manager.pool, &other.manager.pool) {
+            return Err(EngineError::InvalidBatch("blocks from another pool".into()));
+        }
+        self.ids.append(&mut other.ids);
+        Ok(())
+    }
+
     /// Cache slot (block * block_size + offset) of logical token position `pos`.
     pub fn slot(&self, pos: usize) -> Option<usize> {
         let bs = self.manager.block_size;
@@ -171,6 +181,22 @@ mod tests {
         drop(b);
         assert_eq!(manager.free_blocks(), 8);
         assert_eq!(manager.usage_ratio(), 0.0);
+    }
+
+    #[test]
+    fn absorb_moves_blocks_and_refuses_other_pools() {
+        let manager = BlockManager::new(6, 4);
+        let mut a = manager.allocate(2).expect("2");
+        let b = manager.allocate(3).expect("3");
+        let b_ids = b.ids().to_vec();
+        a.absorb(b).expect("same pool");
+        assert_eq!(&a.ids()[2..], b_ids.as_slice());
+        assert_eq!(manager.free_blocks(), 1);
+        let other = BlockManager::new(2, 4);
+        assert!(a.absorb(other.allocate(1).expect("1")).is_err());
+        assert_eq!(other.free_blocks(), 2, "refused blocks go back to their pool");
+        drop(a);
+        assert_eq!(manager.free_blocks(), 6);
     }
 
     #[test]

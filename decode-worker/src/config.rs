@@ -1,0 +1,23 @@
+//! Decode worker settings: flags (clap, in main.rs) become this plain, validated `Config`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pd_engine::{CacheConfig, LoadOptions, WireDType};
+
+/// Everything `run` needs.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub model: PathBuf,
+    pub load: LoadOptions,
+    pub cache: CacheConfig,
+    /// Element type the worker asks prefill workers to send KV in.
+    pub kv_dtype: WireDType,
+    /// Default lease of a KV reservation.
+    pub lease: Duration,
+    /// host:port prefill workers use to reach this worker's KvTransfer service (defaults to
+    /// the listener's address).
+    pub advertise: Option<String>,
+    /// Most sequences in one decode step.
+    pub max_batch: usize,
+}

@@ -1,0 +1,69 @@
+//! pd-decode: flags -> Config -> `pd_decode::run`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use pd_engine::{set_compute_threads, CacheConfig, LoadOptions, WeightFormat, WireDType};
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// pd decode worker.
+#[derive(Debug, Parser)]
+struct Args {
+    /// Address to listen on (DecodeWorker and KvTransfer services).
+    #[arg(long, env = "PD_DECODE_LISTEN", default_value = "127.0.0.1:0")]
+    listen: String,
+    /// host:port prefill workers should send KV to (default: the listening address).
+    #[arg(long, env = "PD_DECODE_ADVERTISE")]
+    advertise: Option<String>,
+    /// GGUF file or Hugging Face folder.
+    #[arg(long, env = "PD_MODEL", default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    model: PathBuf,
+    /// Weights in memory: f16, f32, q8 or stored.
+    #[arg(long, default_value = "f16")]
+    weights: WeightFormat,
+    /// KV cache blocks (of 16 tokens).
+    #[arg(long, env = "PD_KV_BLOCKS", default_value_t = 2048)]
+    kv_blocks: usize,
+    /// KV wire dtype asked of prefill workers: f16 or f32.
+    #[arg(long, default_value = "f16")]
+    kv_dtype: String,
+    /// Lease of a KV reservation in milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    lease_ms: u64,
+    /// Most sequences per decode step.
+    #[arg(long, default_value_t = 64)]
+    max_batch: usize,
+    /// Compute threads.
+    #[arg(long, env = "PD_THREADS", default_value_t = 1)]
+    threads: usize,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    set_compute_threads(args.threads)?;
+    let kv_dtype = match args.kv_dtype.as_str() {
+        "f16" => WireDType::F16,
+        "f32" => WireDType::F32,
+        other => anyhow::bail!("--kv-dtype `{other}` is not f16 or f32"),
+    };
+    let config = pd_decode::Config {
+        model: args.model,
+        load: LoadOptions { weights: args.weights, ..LoadOptions::default() },
+        cache: CacheConfig::with_blocks(args.kv_blocks),
+        kv_dtype,
+        lease: Duration::from_millis(args.lease_ms),
+        advertise: args.advertise,
+        max_batch: args.max_batch,
+    };
+    let listener = tokio::net::TcpListener::bind(&args.listen).await?;
+    // The one line launchers and tests wait for.
+    println!("pd-decode listening on {}", listener.local_addr()?);
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    pd_decode::run(config, listener, shutdown).await
+}

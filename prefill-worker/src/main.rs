@@ -1,0 +1,55 @@
+//! pd-prefill: flags -> Config -> `pd_prefill::run`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use pd_engine::{set_compute_threads, CacheConfig, LoadOptions, WeightFormat};
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// pd prefill worker.
+#[derive(Debug, Parser)]
+struct Args {
+    /// Address to listen on (PrefillWorker service).
+    #[arg(long, env = "PD_PREFILL_LISTEN", default_value = "127.0.0.1:0")]
+    listen: String,
+    /// GGUF file or Hugging Face folder.
+    #[arg(long, env = "PD_MODEL", default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    model: PathBuf,
+    /// Weights in memory: f16, f32, q8 or stored (must match the decode workers').
+    #[arg(long, default_value = "f16")]
+    weights: WeightFormat,
+    /// Prefill chunk in tokens.
+    #[arg(long, default_value_t = 512)]
+    chunk: usize,
+    /// KV cache blocks (of 16 tokens) for the prompt in flight.
+    #[arg(long, default_value_t = 576)]
+    kv_blocks: usize,
+    /// Longest wait on a decode worker's KV service, in milliseconds.
+    #[arg(long, default_value_t = 5_000)]
+    kv_timeout_ms: u64,
+    /// Compute threads.
+    #[arg(long, env = "PD_THREADS", default_value_t = 1)]
+    threads: usize,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    set_compute_threads(args.threads)?;
+    let config = pd_prefill::Config {
+        model: args.model,
+        load: LoadOptions { weights: args.weights, ..LoadOptions::default() },
+        cache: CacheConfig::with_blocks(args.kv_blocks),
+        chunk: args.chunk,
+        kv_timeout: Duration::from_millis(args.kv_timeout_ms),
+    };
+    let listener = tokio::net::TcpListener::bind(&args.listen).await?;
+    println!("pd-prefill listening on {}", listener.local_addr()?);
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    pd_prefill::run(config, listener, shutdown).await
+}
