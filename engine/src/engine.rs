@@ -55,6 +55,32 @@ pub fn load_model(path: &Path, options: LoadOptions) -> Result<LoadedModel> {
     Ok(LoadedModel { model, tokenizer, chat_template })
 }
 
+/// The text side of a model (tokenizer, chat template, context length) without its weights:
+/// what a router needs to validate and tokenize requests.
+#[derive(Debug)]
+pub struct TextSide {
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+    pub max_position: usize,
+}
+
+/// Reads only the tokenizer, chat template and context length of a GGUF file or folder.
+pub fn load_text_side(path: &Path) -> Result<TextSide> {
+    let device = candle_core::Device::Cpu;
+    if path.is_dir() {
+        let folder = HfFolder::open(path, &device)?;
+        let config = folder.model_config()?;
+        let tokenizer = Tokenizer::from_file(&folder.tokenizer_path()?, folder.eos_ids(), folder.bos_id())?;
+        let chat_template = compile_template(folder.chat_template()?, &tokenizer)?;
+        return Ok(TextSide { tokenizer, chat_template, max_position: config.max_position });
+    }
+    let file = GgufFile::open(path, &device)?;
+    let config = file.model_config()?;
+    let tokenizer = Tokenizer::from_gguf(file.metadata())?;
+    let chat_template = compile_template(file.chat_template(), &tokenizer)?;
+    Ok(TextSide { tokenizer, chat_template, max_position: config.max_position })
+}
+
 fn compile_template(source: Option<String>, tokenizer: &Tokenizer) -> Result<Option<ChatTemplate>> {
     let text_of = |id: Option<u32>| id.and_then(|i| tokenizer.id_to_token(i)).unwrap_or_default();
     source

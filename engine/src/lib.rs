@@ -20,7 +20,7 @@ pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{set_compute_threads, CacheConfig, DeviceKind, LoadOptions, ModelConfig, RopeStyle, WeightFormat};
-pub use engine::{load_model, Engine, Generation, LoadedModel};
+pub use engine::{load_model, load_text_side, Engine, Generation, LoadedModel, TextSide};
 pub use error::{EngineError, Result};
 pub use kv::blocks::{BlockAllocation, BlockId, BlockManager};
 pub use kv::cache::{KvCache, SequenceKv};

@@ -1,3 +1,83 @@
-//! pd-router: The public APIs (OpenAI HTTP, gRPC), admission control, worker choice and the request lifecycle. Built by the cluster issue.
-//!
-//! This crate holds no code yet; the workspace layout of DESIGN.md is in place from the start.
+//! pd-router: the front door. OpenAI-compatible HTTP (`http`) and the gRPC Generation API
+//! with reflection (`grpc`); requests are validated (`validate`), routed to a decode and a
+//! prefill worker by load (`workers`) and carried through the lifecycle (`lifecycle`).
+
+pub mod error;
+pub mod grpc;
+pub mod http;
+pub mod lifecycle;
+pub mod validate;
+pub mod workers;
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use pd_proto::v1::generation_server::GenerationServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+pub use error::RouterError;
+pub use validate::Limits;
+
+/// Everything `run` needs.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The model file or folder (the router reads only its tokenizer and chat template).
+    pub model: PathBuf,
+    /// The name clients use in `model`.
+    pub model_name: String,
+    pub prefill_workers: Vec<String>,
+    pub decode_workers: Vec<String>,
+    pub limits: Limits,
+    /// Largest accepted request body in bytes.
+    pub body_limit: usize,
+}
+
+/// Serves HTTP on `http` and gRPC on `grpc` until `shutdown` resolves.
+pub async fn run(
+    config: Config,
+    http: TcpListener,
+    grpc: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let text = {
+        let model = config.model.clone();
+        tokio::task::spawn_blocking(move || pd_engine::load_text_side(&model)).await??
+    };
+    let state = Arc::new(http::AppState {
+        text,
+        pools: Arc::new(workers::Pools {
+            decode: workers::Pool::new("decode", config.decode_workers.clone()),
+            prefill: workers::Pool::new("prefill", config.prefill_workers.clone()),
+        }),
+        limits: config.limits.clone(),
+        model_name: config.model_name.clone(),
+        body_limit: config.body_limit,
+        next_id: AtomicU64::new(0),
+    });
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pd_proto::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let mut grpc_stop = stop_rx.clone();
+    let grpc_server = tonic::transport::Server::builder()
+        .add_service(GenerationServer::new(grpc::GenerationService { state: state.clone() }))
+        .add_service(reflection)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async move {
+            let _ = grpc_stop.wait_for(|s| *s).await;
+        });
+    let mut http_stop = stop_rx;
+    let http_server = axum::serve(http, http::router(state)).with_graceful_shutdown(async move {
+        let _ = http_stop.wait_for(|s| *s).await;
+    });
+    let (g, h) = tokio::join!(grpc_server, http_server);
+    g?;
+    h?;
+    Ok(())
+}

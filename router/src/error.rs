@@ -1,0 +1,98 @@
+//! Router errors: one enum, mapped in one place to an HTTP status with an OpenAI-shaped body
+//! and to a gRPC status.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+
+/// Everything a request can fail with at the router.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum RouterError {
+    /// The request is malformed; names the field.
+    #[error("{message}")]
+    InvalidRequest { message: String, param: Option<String> },
+    /// The request names a model this cluster does not serve.
+    #[error("model `{0}` is not served here")]
+    ModelNotFound(String),
+    /// The body is larger than the limit.
+    #[error("request body is larger than {0} bytes")]
+    TooLarge(usize),
+    /// Unsupported media type.
+    #[error("content type must be application/json")]
+    UnsupportedMediaType,
+    /// Valid JSON that does not describe a request.
+    #[error("{0}")]
+    Unprocessable(String),
+    /// Over capacity (no KV blocks, queue full).
+    #[error("over capacity: {0}")]
+    Overloaded(String),
+    /// No worker of a pool answers.
+    #[error("no {0} worker is available")]
+    NoWorker(&'static str),
+    /// A worker failed while serving the request.
+    #[error("{stage} failed: {message}")]
+    Worker { stage: &'static str, message: String },
+}
+
+impl RouterError {
+    pub fn invalid(param: &str, message: impl Into<String>) -> Self {
+        RouterError::InvalidRequest { message: message.into(), param: Some(param.to_string()) }
+    }
+
+    pub fn http_status(&self) -> StatusCode {
+        match self {
+            RouterError::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
+            RouterError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            RouterError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            RouterError::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            RouterError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            RouterError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
+            RouterError::NoWorker(_) | RouterError::Worker { .. } => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// OpenAI's `error.type`.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            RouterError::InvalidRequest { .. }
+            | RouterError::TooLarge(_)
+            | RouterError::UnsupportedMediaType
+            | RouterError::Unprocessable(_) => "invalid_request_error",
+            RouterError::ModelNotFound(_) => "not_found_error",
+            RouterError::Overloaded(_) => "rate_limit_error",
+            RouterError::NoWorker(_) | RouterError::Worker { .. } => "service_unavailable",
+        }
+    }
+
+    pub fn body(&self) -> serde_json::Value {
+        let param = match self {
+            RouterError::InvalidRequest { param, .. } => param.clone(),
+            RouterError::ModelNotFound(_) => Some("model".into()),
+            _ => None,
+        };
+        serde_json::json!({
+            "error": { "message": self.to_string(), "type": self.error_type(), "param": param, "code": null }
+        })
+    }
+
+    pub fn to_status(&self) -> tonic::Status {
+        match self {
+            RouterError::InvalidRequest { .. }
+            | RouterError::TooLarge(_)
+            | RouterError::UnsupportedMediaType
+            | RouterError::Unprocessable(_) => tonic::Status::invalid_argument(self.to_string()),
+            RouterError::ModelNotFound(_) => tonic::Status::not_found(self.to_string()),
+            RouterError::Overloaded(_) => tonic::Status::resource_exhausted(self.to_string()),
+            RouterError::NoWorker(_) | RouterError::Worker { .. } => tonic::Status::unavailable(self.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for RouterError {
+    fn into_response(self) -> Response {
+        let mut response = (self.http_status(), axum::Json(self.body())).into_response();
+        if matches!(self, RouterError::Overloaded(_)) {
+            response.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("1"));
+        }
+        response
+    }
+}

@@ -1,0 +1,207 @@
+//! The OpenAI-compatible HTTP API: completions and chat completions (JSON or SSE), models,
+//! health and readiness. Errors are OpenAI-shaped JSON; a failure after streaming began ends
+//! the stream with an error event (never a silent close or a `[DONE]`).
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::StreamExt;
+use pd_engine::TextSide;
+use serde_json::json;
+
+use crate::error::RouterError;
+use crate::lifecycle::{self, Update};
+use crate::validate::{validate, Kind, Limits, ValidRequest};
+use crate::workers::Pools;
+
+/// What the HTTP and gRPC front ends share.
+#[derive(Debug)]
+pub struct AppState {
+    pub text: TextSide,
+    pub pools: Arc<Pools>,
+    pub limits: Limits,
+    pub model_name: String,
+    pub body_limit: usize,
+    pub next_id: AtomicU64,
+}
+
+impl AppState {
+    pub fn request_id(&self) -> String {
+        format!("req-{}-{}", std::process::id(), self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { "ok" }))
+        .route("/ready", get(ready))
+        .with_state(state)
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, RouterError> {
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("application/json"));
+    if !json {
+        return Err(RouterError::UnsupportedMediaType);
+    }
+    axum::body::to_bytes(body, state.body_limit).await.map_err(|_| RouterError::TooLarge(state.body_limit))
+}
+
+async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    handle(state, Kind::Completion, headers, body).await
+}
+
+async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    handle(state, Kind::Chat, headers, body).await
+}
+
+async fn handle(state: Arc<AppState>, kind: Kind, headers: HeaderMap, body: Body) -> Response {
+    let req = match read_body(&state, &headers, body)
+        .await
+        .and_then(|b| validate(kind, &b, &state.text, &state.model_name, &state.limits))
+    {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let id = state.request_id();
+    let updates = match lifecycle::start(state.pools.clone(), &req, id.clone()).await {
+        Ok(u) => u,
+        Err(e) => return e.into_response(),
+    };
+    if req.stream {
+        stream_response(req, id, updates).into_response()
+    } else {
+        collect_response(req, id, updates).await
+    }
+}
+
+fn object_name(kind: Kind, stream: bool) -> &'static str {
+    match (kind, stream) {
+        (Kind::Completion, _) => "text_completion",
+        (Kind::Chat, false) => "chat.completion",
+        (Kind::Chat, true) => "chat.completion.chunk",
+    }
+}
+
+fn usage(prompt: u32, completion: u32) -> serde_json::Value {
+    json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion })
+}
+
+async fn collect_response(
+    req: ValidRequest,
+    id: String,
+    mut updates: tokio_stream::wrappers::ReceiverStream<Result<Update, RouterError>>,
+) -> Response {
+    let mut text = String::new();
+    while let Some(update) = updates.next().await {
+        match update {
+            Ok(Update::Token { text: t, .. }) => text.push_str(&t),
+            Ok(Update::Done { finish_reason, prompt_tokens, completion_tokens }) => {
+                let choice = match req.kind {
+                    Kind::Completion => json!({ "index": 0, "text": text, "finish_reason": finish_reason, "logprobs": null }),
+                    Kind::Chat => json!({
+                        "index": 0,
+                        "message": { "role": "assistant", "content": text },
+                        "finish_reason": finish_reason,
+                    }),
+                };
+                return Json(json!({
+                    "id": id,
+                    "object": object_name(req.kind, false),
+                    "created": unix_now(),
+                    "model": req.model,
+                    "choices": [choice],
+                    "usage": usage(prompt_tokens, completion_tokens),
+                }))
+                .into_response();
+            }
+            Err(e) => return e.into_response(),
+        }
+    }
+    RouterError::Worker { stage: "decode", message: "the stream ended without finishing".into() }.into_response()
+}
+
+fn stream_response(
+    req: ValidRequest,
+    id: String,
+    updates: tokio_stream::wrappers::ReceiverStream<Result<Update, RouterError>>,
+) -> Sse<impl futures_util::Stream<Item = Result<Event, Infallible>>> {
+    let created = unix_now();
+    let chunk = move |choice: serde_json::Value, usage_value: Option<serde_json::Value>| {
+        let mut body = json!({
+            "id": id,
+            "object": object_name(req.kind, true),
+            "created": created,
+            "model": req.model,
+            "choices": if choice.is_null() { json!([]) } else { json!([choice]) },
+        });
+        if let Some(u) = usage_value {
+            body["usage"] = u;
+        }
+        Event::default().data(body.to_string())
+    };
+    let kind = req.kind;
+    let include_usage = req.include_usage;
+    let mut first = true;
+    let events = updates.flat_map(move |update| {
+        let out: Vec<Event> = match update {
+            Ok(Update::Token { text, .. }) => {
+                let choice = match kind {
+                    Kind::Completion => json!({ "index": 0, "text": text, "finish_reason": null }),
+                    Kind::Chat if first => json!({ "index": 0, "delta": { "role": "assistant", "content": text }, "finish_reason": null }),
+                    Kind::Chat => json!({ "index": 0, "delta": { "content": text }, "finish_reason": null }),
+                };
+                first = false;
+                vec![chunk(choice, None)]
+            }
+            Ok(Update::Done { finish_reason, prompt_tokens, completion_tokens }) => {
+                let choice = match kind {
+                    Kind::Completion => json!({ "index": 0, "text": "", "finish_reason": finish_reason }),
+                    Kind::Chat => json!({ "index": 0, "delta": {}, "finish_reason": finish_reason }),
+                };
+                let mut out = vec![chunk(choice, None)];
+                if include_usage {
+                    out.push(chunk(serde_json::Value::Null, Some(usage(prompt_tokens, completion_tokens))));
+                }
+                out.push(Event::default().data("[DONE]"));
+                out
+            }
+            Err(e) => vec![Event::default().event("error").data(e.body().to_string())],
+        };
+        futures_util::stream::iter(out.into_iter().map(Ok))
+    });
+    Sse::new(events)
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{ "id": state.model_name, "object": "model", "created": 0, "owned_by": "pd" }],
+    }))
+}
+
+async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    if state.pools.ready().await {
+        (StatusCode::OK, "ready").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "no prefill or no decode worker answers").into_response()
+    }
+}

@@ -1,0 +1,57 @@
+//! pd-router: flags -> Config -> `pd_router::run`.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// pd router.
+#[derive(Debug, Parser)]
+struct Args {
+    /// HTTP (OpenAI API) listen address.
+    #[arg(long, env = "PD_HTTP_LISTEN", default_value = "127.0.0.1:8080")]
+    http_listen: String,
+    /// gRPC (pd.v1.Generation) listen address.
+    #[arg(long, env = "PD_GRPC_LISTEN", default_value = "127.0.0.1:50051")]
+    grpc_listen: String,
+    /// Prefill workers, host:port (DNS names are re-resolved on every request).
+    #[arg(long, env = "PD_PREFILL_WORKERS", value_delimiter = ',', required = true)]
+    prefill: Vec<String>,
+    /// Decode workers, host:port (DNS names are re-resolved on every request).
+    #[arg(long, env = "PD_DECODE_WORKERS", value_delimiter = ',', required = true)]
+    decode: Vec<String>,
+    /// Model file or folder (only its tokenizer and chat template are read).
+    #[arg(long, env = "PD_MODEL", default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    model: PathBuf,
+    /// Name clients pass as `model`.
+    #[arg(long, env = "PD_MODEL_NAME", default_value = "SmolLM2-135M-Instruct")]
+    model_name: String,
+    /// Largest `max_tokens` accepted.
+    #[arg(long, default_value_t = 4096)]
+    max_tokens: u32,
+    /// Largest request body in bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    body_limit: usize,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let config = pd_router::Config {
+        model: args.model,
+        model_name: args.model_name,
+        prefill_workers: args.prefill,
+        decode_workers: args.decode,
+        limits: pd_router::Limits { max_tokens: args.max_tokens, default_completion_tokens: 16, default_chat_tokens: 512 },
+        body_limit: args.body_limit,
+    };
+    let http = tokio::net::TcpListener::bind(&args.http_listen).await?;
+    let grpc = tokio::net::TcpListener::bind(&args.grpc_listen).await?;
+    println!("pd-router http on {} grpc on {}", http.local_addr()?, grpc.local_addr()?);
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    pd_router::run(config, http, grpc, shutdown).await
+}
