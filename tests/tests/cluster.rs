@@ -1,0 +1,222 @@
+//! The cluster end to end: real pd-router, pd-prefill and pd-decode processes on loopback,
+//! the real model. One cluster serves every check in order (each check leaves it idle).
+
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use pd_engine::{CacheConfig, ChatMessage, Engine, LoadOptions, SamplingParams};
+use pd_proto::v1 as pb;
+use pd_tests::{model_path, Cluster};
+use serde_json::{json, Value};
+
+const QUESTIONS: [&str; 5] = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Name three primary colors.",
+    "Explain what a CPU does in one sentence.",
+    "Hi",
+];
+
+async fn post(cluster: &Cluster, path: &str, body: Value) -> (u16, Value) {
+    let r = reqwest::Client::new().post(cluster.url(path)).json(&body).send().await.expect("request");
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// Reads an SSE response: the data payloads with their arrival times.
+async fn sse(cluster: &Cluster, body: Value) -> Vec<(Instant, String)> {
+    let r = reqwest::Client::new().post(cluster.url("/v1/chat/completions")).json(&body).send().await.expect("request");
+    assert_eq!(r.status().as_u16(), 200);
+    let mut stream = r.bytes_stream();
+    let mut buffer = String::new();
+    let mut events = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        buffer.push_str(&String::from_utf8_lossy(&chunk.expect("chunk")));
+        while let Some(end) = buffer.find("\n\n") {
+            let event: String = buffer.drain(..end + 2).collect();
+            for line in event.lines() {
+                if let Some(data) = line.strip_prefix("data: ") {
+                    events.push((Instant::now(), data.to_string()));
+                }
+            }
+        }
+    }
+    events
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_serves_requests_correctly() {
+    let cluster = Cluster::start(1).await;
+    let engine = Engine::load(&model_path(), LoadOptions::default(), CacheConfig::with_blocks(64)).expect("engine");
+
+    greedy_matches_the_engine(&cluster, &engine).await;
+    sse_streams_incrementally(&cluster).await;
+    sixteen_concurrent_streams_are_batched(&cluster).await;
+    client_disconnect_frees_the_kv(&cluster).await;
+    bad_input_gets_the_right_status(&cluster).await;
+}
+
+async fn greedy_matches_the_engine(cluster: &Cluster, engine: &Engine) {
+    let mut grpc = pb::generation_client::GenerationClient::connect(format!("http://{}", cluster.grpc)).await.expect("grpc");
+    for question in QUESTIONS {
+        let prompt = engine.chat_prompt(&[ChatMessage::new("user", question)]).expect("prompt");
+        let expected = engine.generate(&prompt, &SamplingParams::greedy(24), 512, |_| {}).expect("engine");
+        let (status, body) = post(
+            cluster,
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": question}], "max_tokens": 24, "temperature": 0}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["choices"][0]["message"]["content"], expected.text, "HTTP text for {question:?}");
+        assert_eq!(body["usage"]["completion_tokens"], expected.tokens.len());
+        assert_eq!(body["usage"]["prompt_tokens"], prompt.len());
+
+        let request = pb::GenerateRequest {
+            messages: vec![pb::ChatMessage { role: "user".into(), content: question.into() }],
+            sampling: Some(pb::SamplingParams { max_tokens: 24, ..Default::default() }),
+            ..Default::default()
+        };
+        let mut stream = grpc.generate(request).await.expect("generate").into_inner();
+        let mut tokens = Vec::new();
+        let mut done = None;
+        while let Some(message) = stream.message().await.expect("stream") {
+            match message.message {
+                Some(pb::generate_response::Message::Token(t)) => tokens.push(t.token_id),
+                Some(pb::generate_response::Message::Done(d)) => done = Some(d),
+                None => {}
+            }
+        }
+        assert_eq!(tokens, expected.tokens, "gRPC tokens for {question:?}");
+        assert_eq!(done.expect("done").completion_tokens as usize, expected.tokens.len());
+    }
+}
+
+async fn sse_streams_incrementally(cluster: &Cluster) {
+    let started = Instant::now();
+    let events = sse(
+        cluster,
+        json!({"messages": [{"role": "user", "content": "Count from one to twenty in words."}],
+               "max_tokens": 48, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}}),
+    )
+    .await;
+    assert_eq!(events.last().map(|(_, d)| d.as_str()), Some("[DONE]"));
+    let chunks: Vec<(Instant, Value)> =
+        events.iter().filter(|(_, d)| d != "[DONE]").map(|(t, d)| (*t, serde_json::from_str(d).expect("json"))).collect();
+    let content: Vec<&(Instant, Value)> =
+        chunks.iter().filter(|(_, c)| c["choices"][0]["delta"]["content"].as_str().is_some_and(|s| !s.is_empty())).collect();
+    assert!(content.len() > 10, "tokens arrive one by one ({} content chunks)", content.len());
+    let first = content[0].0 - started;
+    let last = content[content.len() - 1].0 - started;
+    assert!(first * 2 < last, "the first token ({first:?}) arrives well before the last ({last:?})");
+    let usage = &chunks.last().expect("usage chunk").1["usage"];
+    let finish = chunks.iter().find_map(|(_, c)| c["choices"][0]["finish_reason"].as_str().map(str::to_string));
+    assert!(finish.is_some(), "a finish reason is sent");
+    assert!(usage["completion_tokens"].as_u64().is_some_and(|n| n as usize >= content.len() && n <= 48), "{usage}");
+    assert_eq!(usage["total_tokens"].as_u64(), Some(usage["prompt_tokens"].as_u64().unwrap_or(0) + usage["completion_tokens"].as_u64().unwrap_or(0)));
+}
+
+async fn sixteen_concurrent_streams_are_batched(cluster: &Cluster) {
+    let mut tasks = Vec::new();
+    for i in 0..16u64 {
+        let url = cluster.url("/v1/completions");
+        let max_tokens = 20 + 4 * i;
+        tasks.push(tokio::spawn(async move {
+            let body = json!({"prompt": format!("Story number {i}: once upon a time"), "max_tokens": max_tokens,
+                              "temperature": 0.7, "seed": i});
+            let r = reqwest::Client::new().post(url).json(&body).send().await.expect("request");
+            let status = r.status().as_u16();
+            let body: Value = r.json().await.expect("json");
+            (status, body, max_tokens)
+        }));
+    }
+    let mut most_running = 0;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while tasks.iter().any(|t| !t.is_finished()) && Instant::now() < deadline {
+        most_running = most_running.max(cluster.decode_load().await.running_sequences);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for task in tasks {
+        let (status, body, max_tokens) = task.await.expect("task");
+        assert_eq!(status, 200, "{body}");
+        let n = body["usage"]["completion_tokens"].as_u64().expect("usage");
+        let reason = body["choices"][0]["finish_reason"].as_str().expect("finish");
+        assert!(n == max_tokens && reason == "length" || n <= max_tokens && reason == "stop", "{body}");
+    }
+    assert!(most_running > 1, "the decode worker batched the streams (saw {most_running} running at most)");
+    let load = cluster.decode_load().await;
+    assert_eq!((load.running_sequences, load.free_blocks), (0, load.total_blocks), "idle again");
+}
+
+async fn client_disconnect_frees_the_kv(cluster: &Cluster) {
+    // Counting goes on for many tokens: the stream is still running when the client leaves.
+    let body = json!({"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 400, "temperature": 0,
+                      "stream": true, "stream_options": {"include_usage": true}});
+    let r = reqwest::Client::new().post(cluster.url("/v1/completions")).json(&body).send().await.expect("request");
+    let mut stream = r.bytes_stream();
+    let mut received = 0;
+    while received < 400 {
+        received += stream.next().await.expect("data").expect("chunk").len();
+    }
+    assert!(cluster.decode_load().await.kv_cache_usage > 0.0, "the stream holds KV");
+    drop(stream);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let load = cluster.decode_load().await;
+        if load.kv_cache_usage == 0.0 && load.running_sequences == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "KV still in use 5 s after the client left: {load:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn bad_input_gets_the_right_status(cluster: &Cluster) {
+    let client = reqwest::Client::new();
+    let chat = cluster.url("/v1/chat/completions");
+    let completions = cluster.url("/v1/completions");
+    let raw = |url: String, body: &'static str, content_type: &'static str| {
+        let client = client.clone();
+        async move {
+            let r = client.post(url).header("content-type", content_type).body(body).send().await.expect("request");
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let (s, b) = raw(chat.clone(), "{not json", "application/json").await;
+    assert_eq!(s, 400, "{b}");
+    assert!(b["error"]["message"].as_str().is_some_and(|m| m.contains("JSON")), "{b}");
+    let (s, _) = raw(chat.clone(), "{}", "text/plain").await;
+    assert_eq!(s, 415);
+    let long_prompt = "word ".repeat(9000);
+    let too_big = "x".repeat(2 << 20);
+    let cases: Vec<(&str, Value, u16, &str)> = vec![
+        ("/v1/chat/completions", json!({"max_tokens": 5}), 400, "messages"),
+        ("/v1/completions", json!({"max_tokens": 5}), 400, "prompt"),
+        ("/v1/completions", json!({"prompt": ""}), 400, "prompt"),
+        ("/v1/completions", json!({"prompt": long_prompt}), 400, "prompt"),
+        ("/v1/completions", json!({"prompt": "hi", "max_tokens": 0}), 400, "max_tokens"),
+        ("/v1/completions", json!({"prompt": "hi", "max_tokens": 100000}), 400, "max_tokens"),
+        ("/v1/completions", json!({"prompt": "hi", "temperature": -1}), 400, "temperature"),
+        ("/v1/completions", json!({"prompt": "hi", "top_p": 0}), 400, "top_p"),
+        ("/v1/completions", json!({"prompt": "hi", "top_p": 1.5}), 400, "top_p"),
+        ("/v1/completions", json!({"prompt": "hi", "n": 2}), 400, "n"),
+        ("/v1/completions", json!({"prompt": "hi", "logprobs": 3}), 400, "logprobs"),
+        ("/v1/completions", json!({"prompt": "hi", "model": "gpt-9"}), 404, "model"),
+        ("/v1/completions", json!({"prompt": too_big}), 413, ""),
+    ];
+    for (path, body, status, field) in cases {
+        let (got, response) = post(cluster, path, body).await;
+        assert_eq!(got, status, "{path} {field}: {response}");
+        if !field.is_empty() {
+            let message = response["error"]["message"].as_str().unwrap_or_default();
+            assert!(message.contains(field) || response["error"]["param"] == field, "{field}: {response}");
+        }
+    }
+    let _ = completions;
+    // Still serving.
+    let (s, b) = post(cluster, "/v1/completions", json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})).await;
+    assert_eq!(s, 200, "{b}");
+    let models: Value = client.get(cluster.url("/v1/models")).send().await.expect("models").json().await.expect("json");
+    assert_eq!(models["data"][0]["id"], "SmolLM2-135M-Instruct");
+}
