@@ -7,4 +7,7 @@ scripts/install-deps.sh
 scripts/fetch-model.sh
 # Tests and local runs keep UCX on loopback (the code sets these too; this covers child tools).
 export UCX_NET_DEVICES=lo UCX_TLS="${UCX_TLS:-posix,sysv,cma,tcp}"
-cargo test --release --workspace --features pd-kv-transfer/ucx,pd-bench/ucx "$@"
+features=pd-kv-transfer/ucx,pd-bench/ucx
+# The end-to-end tests start the real binaries: build them first (same profile, reused).
+cargo build --release --workspace --bins --features "$features"
+cargo test --release --workspace --features "$features" "$@"

@@ -1,0 +1,106 @@
+//! Killing workers mid-request: a prefill worker dies during a prefill (another one takes
+//! over; or, alone, the client gets a typed error fast), a decode worker dies mid-stream (the
+//! stream ends with an error event). Nothing hangs. One cluster at a time (they are large).
+
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use pd_tests::Cluster;
+use serde_json::{json, Value};
+use tokio::sync::Mutex;
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::const_new(());
+
+/// A completion whose prompt takes a few seconds to prefill.
+fn long_prompt_body() -> Value {
+    json!({"prompt": "The history of the river valley begins with small farming villages. ".repeat(110),
+           "max_tokens": 8, "temperature": 0})
+}
+
+/// Waits until one prefill worker is computing; returns its index.
+async fn running_prefill(cluster: &Cluster) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        for i in 0..cluster.prefill.len() {
+            if cluster.prefill_load(i).await.is_some_and(|l| l.running_prefills > 0) {
+                return i;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("no prefill worker started the prefill");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_prefill_worker_is_replaced_by_another() {
+    let _guard = ONE_AT_A_TIME.lock().await;
+    let mut cluster = Cluster::start(2).await;
+    let url = cluster.url("/v1/completions");
+    let request = tokio::spawn(async move {
+        let r = reqwest::Client::new().post(url).json(&long_prompt_body()).send().await.expect("request");
+        (r.status().as_u16(), r.json::<Value>().await.unwrap_or(Value::Null))
+    });
+    let victim = running_prefill(&cluster).await;
+    cluster.prefill[victim].kill();
+    let (status, body) = tokio::time::timeout(Duration::from_secs(60), request).await.expect("no hang").expect("task");
+    assert_eq!(status, 200, "the other prefill worker completed it: {body}");
+    assert!(body["usage"]["completion_tokens"].as_u64().is_some_and(|n| n > 0), "{body}");
+    let load = cluster.decode_load().await;
+    assert_eq!(load.free_blocks, load.total_blocks, "no KV left behind");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_only_prefill_worker_fails_fast_with_a_typed_error() {
+    let _guard = ONE_AT_A_TIME.lock().await;
+    let mut cluster = Cluster::start(1).await;
+    let url = cluster.url("/v1/completions");
+    let request = tokio::spawn(async move {
+        let r = reqwest::Client::new().post(url).json(&long_prompt_body()).send().await.expect("request");
+        (r.status().as_u16(), r.json::<Value>().await.unwrap_or(Value::Null))
+    });
+    running_prefill(&cluster).await;
+    cluster.prefill[0].kill();
+    let killed = Instant::now();
+    let (status, body) = tokio::time::timeout(Duration::from_secs(10), request).await.expect("no hang").expect("task");
+    assert!(killed.elapsed() < Duration::from_secs(5), "error after {:?}", killed.elapsed());
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["type"], "service_unavailable", "{body}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let load = cluster.decode_load().await;
+        if load.free_blocks == load.total_blocks {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the reservation was not freed: {load:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_decode_worker_ends_the_stream_with_an_error_event() {
+    let _guard = ONE_AT_A_TIME.lock().await;
+    let mut cluster = Cluster::start(1).await;
+    let body = json!({"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 400, "temperature": 0, "stream": true});
+    let r = reqwest::Client::new().post(cluster.url("/v1/completions")).json(&body).send().await.expect("request");
+    assert_eq!(r.status().as_u16(), 200);
+    let mut stream = r.bytes_stream();
+    let mut text = String::new();
+    while !text.contains("data: ") {
+        text.push_str(&String::from_utf8_lossy(&stream.next().await.expect("data").expect("chunk")));
+    }
+    cluster.decode.kill();
+    let killed = Instant::now();
+    let rest = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(chunk) = stream.next().await {
+            match chunk {
+                Ok(bytes) => text.push_str(&String::from_utf8_lossy(&bytes)),
+                Err(_) => break,
+            }
+        }
+    })
+    .await;
+    assert!(rest.is_ok(), "the stream hung after the decode worker died");
+    assert!(killed.elapsed() < Duration::from_secs(5), "ended after {:?}", killed.elapsed());
+    assert!(text.contains("event: error"), "the stream ends with an error event: {text}");
+    assert!(!text.contains("[DONE]"), "a failed stream never reports success");
+}
