@@ -62,8 +62,28 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
     if !json {
         return Err(RouterError::UnsupportedMediaType);
     }
-    axum::body::to_bytes(body, state.body_limit).await.map_err(|_| RouterError::TooLarge(state.body_limit))
+    // Read up to the limit; past it, keep reading (and dropping) what the client still sends,
+    // up to a hard cap, so it receives the 413 instead of a broken connection.
+    let mut stream = body.into_data_stream();
+    let mut bytes = Vec::new();
+    let mut total = 0usize;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| RouterError::InvalidRequest { message: format!("reading the body: {e}"), param: None })?;
+        total += chunk.len();
+        if total <= state.body_limit {
+            bytes.extend_from_slice(&chunk);
+        } else if total > DRAIN_CAP {
+            break;
+        }
+    }
+    if total > state.body_limit {
+        return Err(RouterError::TooLarge(state.body_limit));
+    }
+    Ok(Bytes::from(bytes))
 }
+
+/// Most bytes of an oversized body read before answering 413 anyway.
+const DRAIN_CAP: usize = 64 << 20;
 
 async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     handle(state, Kind::Completion, headers, body).await
