@@ -58,6 +58,8 @@ fn spawn(name: &str, args: &[&str], prefix: &str) -> (Proc, String) {
         .spawn()
         .unwrap_or_else(|e| panic!("starting {name}: {e}"));
     let stdout = child.stdout.take().expect("stdout");
+    // Owned from here on: killed on every path, a failed start included.
+    let proc = Proc { child, name: name.to_string() };
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
@@ -71,12 +73,13 @@ fn spawn(name: &str, args: &[&str], prefix: &str) -> (Proc, String) {
         match rx.recv_timeout(left) {
             Ok(line) if line.starts_with(prefix) => {
                 let rest = line[prefix.len()..].trim().to_string();
-                return (Proc { child, name: name.to_string() }, rest);
+                return (proc, rest);
             }
             Ok(_) => continue,
             Err(_) => break,
         }
     }
+    drop(proc);
     panic!("{name} did not print `{prefix}`");
 }
 

@@ -49,11 +49,37 @@ async fn cluster_serves_requests_correctly() {
     let cluster = Cluster::start(1).await;
     let engine = Engine::load(&model_path(), LoadOptions::default(), CacheConfig::with_blocks(64)).expect("engine");
 
+    reflection_lists_the_generation_service(&cluster).await;
     greedy_matches_the_engine(&cluster, &engine).await;
     sse_streams_incrementally(&cluster).await;
     sixteen_concurrent_streams_are_batched(&cluster).await;
     client_disconnect_frees_the_kv(&cluster).await;
     bad_input_gets_the_right_status(&cluster).await;
+}
+
+async fn reflection_lists_the_generation_service(cluster: &Cluster) {
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.grpc))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    let mut client = ServerReflectionClient::new(channel);
+    let request = ServerReflectionRequest { host: String::new(), message_request: Some(MessageRequest::ListServices(String::new())) };
+    let mut responses = client.server_reflection_info(tokio_stream_once(request)).await.expect("reflection call").into_inner();
+    let response = responses.message().await.expect("reply").expect("one reply");
+    let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
+        panic!("expected a service list, got {:?}", response.message_response);
+    };
+    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    assert!(names.iter().any(|n| n == "pd.v1.Generation"), "{names:?}");
+}
+
+fn tokio_stream_once<T: Send + 'static>(item: T) -> impl futures_util::Stream<Item = T> + Send + 'static {
+    futures_util::stream::iter(vec![item])
 }
 
 async fn greedy_matches_the_engine(cluster: &Cluster, engine: &Engine) {
