@@ -16,8 +16,6 @@ use pd_kv_transfer::grpc::{spawn_lease_reaper, KvTransferService};
 use pd_kv_transfer::KvRegistry;
 use pd_proto::v1::decode_worker_server::DecodeWorkerServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
-use tokio_stream::StreamExt;
 
 pub use config::Config;
 pub use service::DecodeService;
@@ -40,11 +38,7 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: impl Future<Ou
         kv_dtype: config.kv_dtype,
         lease: config.lease,
     };
-    let incoming = TcpListenerStream::new(listener).map(|conn| {
-        conn.inspect(|stream| {
-            let _ = stream.set_nodelay(true);
-        })
-    });
+    let incoming = pd_kv_transfer::grpc::nodelay_incoming(listener);
     let result = tonic::transport::Server::builder()
         .initial_stream_window_size(16 << 20)
         .initial_connection_window_size(64 << 20)

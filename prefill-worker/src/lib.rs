@@ -14,8 +14,6 @@ use std::time::Duration;
 use pd_engine::{CacheConfig, Engine, LoadOptions};
 use pd_proto::v1::prefill_worker_server::PrefillWorkerServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
-use tokio_stream::StreamExt;
 
 pub use service::PrefillService;
 
@@ -39,11 +37,7 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: impl Future<Ou
         tokio::task::spawn_blocking(move || Engine::load(&config.model, config.load, config.cache)).await??
     };
     let service = PrefillService::new(Arc::new(engine), config.chunk, config.kv_timeout);
-    let incoming = TcpListenerStream::new(listener).map(|conn| {
-        conn.inspect(|stream| {
-            let _ = stream.set_nodelay(true);
-        })
-    });
+    let incoming = pd_kv_transfer::grpc::nodelay_incoming(listener);
     tonic::transport::Server::builder()
         .add_service(PrefillWorkerServer::new(service))
         .serve_with_incoming_shutdown(incoming, shutdown)

@@ -35,6 +35,16 @@ pub struct Config {
     pub body_limit: usize,
 }
 
+/// Accepted gRPC connections with TCP_NODELAY (token messages are small).
+fn nodelay(listener: TcpListener) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt;
+    TcpListenerStream::new(listener).map(|conn| {
+        conn.inspect(|stream| {
+            let _ = stream.set_nodelay(true);
+        })
+    })
+}
+
 /// Serves HTTP on `http` and gRPC on `grpc` until `shutdown` resolves.
 pub async fn run(
     config: Config,
@@ -69,10 +79,14 @@ pub async fn run(
     let grpc_server = tonic::transport::Server::builder()
         .add_service(GenerationServer::new(grpc::GenerationService { state: state.clone() }))
         .add_service(reflection)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async move {
+        .serve_with_incoming_shutdown(nodelay(grpc), async move {
             let _ = grpc_stop.wait_for(|s| *s).await;
         });
     let mut http_stop = stop_rx;
+    // Each streamed token is a small write: never hold it back for Nagle's algorithm.
+    let http = axum::serve::ListenerExt::tap_io(http, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let http_server = axum::serve(http, http::router(state)).with_graceful_shutdown(async move {
         let _ = http_stop.wait_for(|s| *s).await;
     });

@@ -156,6 +156,18 @@ pub fn spawn_lease_reaper(registry: Arc<KvRegistry>, period: Duration) -> JoinHa
     })
 }
 
+/// Connections accepted on `listener` with TCP_NODELAY set: small control messages (accept,
+/// commit, a single token) must not wait for Nagle's algorithm. For every pd gRPC server.
+pub fn nodelay_incoming(
+    listener: TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static {
+    TcpListenerStream::new(listener).map(|conn| {
+        conn.inspect(|stream| {
+            let _ = stream.set_nodelay(true);
+        })
+    })
+}
+
 /// A running gRPC KV receiver (server plus lease reaper); stops when shut down or dropped.
 #[derive(Debug)]
 pub struct GrpcKvReceiver {
@@ -172,12 +184,7 @@ impl GrpcKvReceiver {
         let (stop, stopped) = oneshot::channel::<()>();
         let reaper = spawn_lease_reaper(registry.clone(), Duration::from_millis(50));
         let service = KvTransferService::new(registry).into_server();
-        // Small control messages (accept, commit) must not wait for Nagle's algorithm.
-        let incoming = TcpListenerStream::new(listener).map(|conn| {
-            conn.inspect(|stream| {
-                let _ = stream.set_nodelay(true);
-            })
-        });
+        let incoming = nodelay_incoming(listener);
         let server = tokio::spawn(async move {
             let result = tonic::transport::Server::builder()
                 .initial_stream_window_size(STREAM_WINDOW)
