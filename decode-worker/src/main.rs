@@ -41,10 +41,14 @@ struct Args {
     threads: usize,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    // Before any other thread exists: the compute pools read this once.
     set_compute_threads(args.threads)?;
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(serve(args))
+}
+
+async fn serve(args: Args) -> anyhow::Result<()> {
     let kv_dtype = match args.kv_dtype.as_str() {
         "f16" => WireDType::F16,
         "f32" => WireDType::F32,

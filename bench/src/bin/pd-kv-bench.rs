@@ -213,10 +213,14 @@ async fn ttft_part(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    // Before any other thread exists: the compute pools read this once.
     pd_engine::set_compute_threads(args.threads)?;
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
     let transports: Vec<(&str, Transport)> = vec![
         ("gRPC", Transport::Grpc),
         #[cfg(feature = "ucx")]

@@ -172,9 +172,14 @@ fn engine_level(engine: &Engine, concurrency: usize, rounds: usize, max_tokens: 
     Ok((samples, started.elapsed()))
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    // Before any other thread exists: the engine-alone run uses one compute thread.
+    pd_engine::set_compute_threads(1)?;
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
     println!("| setup | concurrency | requests | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms | ITL samples | longest gap ms | output tok/s |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
     if let Some(url) = &args.url {
@@ -185,7 +190,6 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     if args.engine {
-        pd_engine::set_compute_threads(1)?;
         let engine = Engine::load(&args.model, LoadOptions::default(), CacheConfig::with_blocks(1024))?;
         for &c in &args.concurrency {
             let (samples, wall) = engine_level(&engine, c, args.rounds, args.max_tokens)?;
