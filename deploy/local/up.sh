@@ -17,6 +17,7 @@ http_port="${PD_HTTP_PORT:-8080}"
 grpc_port="${PD_GRPC_PORT:-50051}"
 model="${PD_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 
+scripts/install-deps.sh
 if [[ -z "${PD_MODEL:-}" ]]; then
     scripts/fetch-model.sh >/dev/null
 fi
