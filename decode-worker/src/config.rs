@@ -20,4 +20,7 @@ pub struct Config {
     pub advertise: Option<String>,
     /// Most sequences in one decode step.
     pub max_batch: usize,
+    /// On shutdown, how long running sequences may take to finish before they are ended
+    /// with UNAVAILABLE.
+    pub grace: Duration,
 }

@@ -2,26 +2,46 @@
 //! (decode-first), receives the prompt's KV from a prefill worker (pd.v1.KvTransfer on the
 //! same port), joins the sequence into the continuously batched decode loop and streams
 //! tokens (pd.v1.DecodeWorker).
+//!
+//! `/metrics`, `/health` and `/ready` are served on a second, HTTP port. On shutdown
+//! (SIGTERM): readiness fails and new requests are refused; running sequences (and those
+//! whose KV is on its way) finish within the grace period, after which the rest end with
+//! UNAVAILABLE; the process exits once every KV block is free.
 
 pub mod batcher;
 pub mod config;
 pub mod service;
 
 use std::future::Future;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pd_engine::Engine;
 use pd_kv_transfer::grpc::{spawn_lease_reaper, KvTransferService};
 use pd_kv_transfer::KvRegistry;
 use pd_proto::v1::decode_worker_server::DecodeWorkerServer;
+use pd_telemetry::metrics::DecodeMetrics;
+use pd_telemetry::Metrics;
 use tokio::net::TcpListener;
 
 pub use config::Config;
 pub use service::DecodeService;
 
-/// Loads the model and serves until `shutdown` resolves.
-pub async fn run(config: Config, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+/// Loads the model and serves gRPC on `listener` and the HTTP endpoints on `http` until
+/// `shutdown` resolves, then drains.
+pub async fn run(
+    config: Config,
+    listener: TcpListener,
+    http: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let metrics = Arc::new(Metrics::new());
+    let (ready_tx, ready_rx) = tokio::sync::watch::channel(false);
+    let (http_stop_tx, http_stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let http_server = tokio::spawn(pd_telemetry::http::serve(http, metrics.clone(), ready_rx, async {
+        let _ = http_stop_rx.await;
+    }));
     let engine = {
         let config = config.clone();
         tokio::task::spawn_blocking(move || Engine::load(&config.model, config.load, config.cache)).await??
@@ -30,22 +50,66 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: impl Future<Ou
     let registry = KvRegistry::new(engine.clone());
     let reaper = spawn_lease_reaper(registry.clone(), Duration::from_millis(100));
     let addr = listener.local_addr()?;
+    let decode_metrics = DecodeMetrics::register(&metrics);
     let service = DecodeService {
-        batcher: batcher::Batcher::start(engine.clone(), config.max_batch),
+        batcher: batcher::Batcher::start(engine.clone(), config.max_batch, decode_metrics.clone()),
         engine,
         registry: registry.clone(),
         kv_endpoint: config.advertise.clone().unwrap_or_else(|| addr.to_string()),
         kv_dtype: config.kv_dtype,
         lease: config.lease,
+        metrics: decode_metrics,
+        stopping: Arc::new(AtomicBool::new(false)),
     };
+    let scraped = service.clone();
+    metrics.on_scrape(move || scraped.refresh_gauges());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let draining = service.clone();
+    let grace = config.grace;
+    let ready_flag = ready_tx.clone();
+    tokio::spawn(async move {
+        shutdown.await;
+        ready_flag.send_replace(false);
+        draining.stop_accepting();
+        drain(&draining, grace).await;
+        let _ = stop_tx.send(());
+    });
+    ready_tx.send_replace(true);
     let incoming = pd_kv_transfer::grpc::nodelay_incoming(listener);
     let result = tonic::transport::Server::builder()
         .initial_stream_window_size(16 << 20)
         .initial_connection_window_size(64 << 20)
         .add_service(DecodeWorkerServer::new(service))
         .add_service(KvTransferService::new(registry).into_server())
-        .serve_with_incoming_shutdown(incoming, shutdown)
+        .serve_with_incoming_shutdown(incoming, async {
+            let _ = stop_rx.await;
+        })
         .await;
     reaper.abort();
+    let _ = http_stop_tx.send(());
+    let _ = http_server.await;
+    tracing::info!("stopped");
     Ok(result?)
+}
+
+/// Waits for every KV block to be free: first for `grace` while sequences finish on their
+/// own, then after ending the rest (bounded: ended sequences free their blocks within a step).
+async fn drain(service: &DecodeService, grace: Duration) {
+    let blocks = service.engine.blocks();
+    let busy = || blocks.free_blocks() < blocks.total_blocks();
+    tracing::info!(running = service.batcher.running(), grace_ms = grace.as_millis() as u64, "shutting down: refusing new requests");
+    let deadline = Instant::now() + grace;
+    while busy() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if busy() {
+        let reservations = service.registry.abort_all("the decode worker is shutting down");
+        service.batcher.end_all();
+        tracing::warn!(running = service.batcher.running(), reservations, "grace period over: ending the remaining sequences");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while busy() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    tracing::info!(kv_cache_usage = blocks.usage_ratio(), "drained");
 }

@@ -39,6 +39,15 @@ struct Args {
     /// Compute threads.
     #[arg(long, env = "PD_THREADS", default_value_t = 1)]
     threads: usize,
+    /// Address of the HTTP endpoints /metrics, /health and /ready.
+    #[arg(long, env = "PD_METRICS_LISTEN", default_value = "127.0.0.1:0")]
+    metrics_listen: String,
+    /// On SIGTERM, how long running sequences may take to finish, in milliseconds.
+    #[arg(long, env = "PD_GRACE_MS", default_value_t = 30_000)]
+    grace_ms: u64,
+    /// Log lines: human or json.
+    #[arg(long, env = "PD_LOG_FORMAT", default_value = "human")]
+    log_format: pd_telemetry::LogFormat,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -49,6 +58,7 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn serve(args: Args) -> anyhow::Result<()> {
+    let telemetry = pd_telemetry::init("pd-decode", args.log_format, "decode", &pd_telemetry::instance_name());
     let kv_dtype = match args.kv_dtype.as_str() {
         "f16" => WireDType::F16,
         "f32" => WireDType::F32,
@@ -62,12 +72,17 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         lease: Duration::from_millis(args.lease_ms),
         advertise: args.advertise,
         max_batch: args.max_batch,
+        grace: Duration::from_millis(args.grace_ms),
     };
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
-    // The one line launchers and tests wait for.
+    let http = tokio::net::TcpListener::bind(&args.metrics_listen).await?;
+    // The lines launchers and tests wait for.
+    println!("pd-decode metrics on {}", http.local_addr()?);
     println!("pd-decode listening on {}", listener.local_addr()?);
-    let shutdown = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    pd_decode::run(config, listener, shutdown).await
+    let result = pd_decode::run(config, listener, http, pd_telemetry::shutdown_signal()).await;
+    if let Err(e) = &result {
+        tracing::error!(error = %e, "pd-decode failed");
+    }
+    drop(telemetry);
+    result
 }

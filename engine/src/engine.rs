@@ -167,17 +167,19 @@ impl Engine {
     /// Runs `tokens` into `kv` in chunks of at most `chunk` tokens; returns the `[vocab]`
     /// logits after the last one.
     pub fn prefill(&self, kv: &mut SequenceKv, tokens: &[u32], chunk: usize) -> Result<Tensor> {
-        self.prefill_observed(kv, tokens, chunk, &mut |_| {})
+        self.prefill_observed(kv, tokens, chunk, &mut |_| {}, &mut |_| {})
     }
 
     /// `prefill`, calling `layer_done(l)` once layer `l` holds the K/V of the whole prompt
-    /// (during the last chunk), so its blocks can be shipped while later layers compute.
+    /// (during the last chunk), so its blocks can be shipped while later layers compute, and
+    /// `chunk_done(tokens)` after each chunk (for per-chunk trace events).
     pub fn prefill_observed(
         &self,
         kv: &mut SequenceKv,
         tokens: &[u32],
         chunk: usize,
         layer_done: &mut dyn FnMut(usize),
+        chunk_done: &mut dyn FnMut(usize),
     ) -> Result<Tensor> {
         if tokens.is_empty() {
             return Err(EngineError::InvalidBatch("empty prompt".into()));
@@ -200,6 +202,7 @@ impl Engine {
             if i == last {
                 logits = Some(out.squeeze(0)?);
             }
+            chunk_done(piece.len());
         }
         logits.ok_or_else(|| EngineError::InvalidBatch("empty prompt".into()))
     }

@@ -2,7 +2,7 @@
 //! as frames on the sending side, and the engine's cache as the receiving side's sink.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use candle_core::Tensor;
 use pd_engine::{Engine, SequenceKv, WireDType};
@@ -65,6 +65,18 @@ pub struct PrefillSent {
     /// From the prefill's logits being ready to the commit confirmation: what the transfer
     /// adds to time-to-first-token.
     pub prefill_end_to_commit: Duration,
+    /// Wall-clock start and end of the compute, and the end of each chunk with its tokens
+    /// (for trace spans and events).
+    pub compute_started: SystemTime,
+    pub compute_ended: SystemTime,
+    pub chunks: Vec<(usize, SystemTime)>,
+    /// Layers shipped.
+    pub layers: u32,
+}
+
+enum Progress {
+    Layer(usize, Instant),
+    Chunk(usize, SystemTime),
 }
 
 /// Prefills `prompt` on `engine` (chunks of `chunk` tokens) on a blocking thread and ships
@@ -93,24 +105,46 @@ pub async fn prefill_and_send<S: KvSender>(
         )));
     }
     let mut transfer = sender.start(header).await?;
-    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(usize, Instant)>();
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Progress>();
     let compute_engine = engine.clone();
+    let compute_started = SystemTime::now();
     let compute = tokio::task::spawn_blocking(move || {
         let mut source = source;
         let started = Instant::now();
-        let logits: Result<Tensor, _> = compute_engine.prefill_observed(&mut source, &prompt, chunk, &mut |layer| {
-            let _ = done_tx.send((layer, Instant::now()));
-        });
-        (logits, source, started.elapsed(), Instant::now())
+        let chunk_tx = done_tx.clone();
+        let logits: Result<Tensor, _> = compute_engine.prefill_observed(
+            &mut source,
+            &prompt,
+            chunk,
+            &mut |layer| {
+                let _ = done_tx.send(Progress::Layer(layer, Instant::now()));
+            },
+            &mut |tokens| {
+                let _ = chunk_tx.send(Progress::Chunk(tokens, SystemTime::now()));
+            },
+        );
+        (logits, source, started.elapsed(), Instant::now(), SystemTime::now())
     });
     let mut last_layer_at = None;
-    while let Some((layer, at)) = done_rx.recv().await {
-        last_layer_at = Some(at);
+    let mut chunks = Vec::new();
+    let mut layers = 0;
+    while let Some(progress) = done_rx.recv().await {
+        let layer = match progress {
+            Progress::Layer(layer, at) => {
+                last_layer_at = Some(at);
+                layer
+            }
+            Progress::Chunk(tokens, at) => {
+                chunks.push((tokens, at));
+                continue;
+            }
+        };
+        layers += 1;
         for frame in layer_frames(&engine, layer as u32, &source_blocks, &geometry)? {
             transfer.send(frame).await?;
         }
     }
-    let (logits, source, prefill_time, prefill_end) =
+    let (logits, source, prefill_time, prefill_end, compute_ended) =
         compute.await.map_err(|e| TransferError::Sink(format!("prefill thread: {e}")))?;
     let logits = match logits {
         Ok(l) => l,
@@ -129,5 +163,16 @@ pub async fn prefill_and_send<S: KvSender>(
     let receipt = transfer.commit(first_token, tokens).await?;
     let last_layer_to_commit = last_layer_at.map(|t| t.elapsed()).unwrap_or_default();
     let prefill_end_to_commit = prefill_end.elapsed();
-    Ok(PrefillSent { first_token, source, receipt, prefill_time, last_layer_to_commit, prefill_end_to_commit })
+    Ok(PrefillSent {
+        first_token,
+        source,
+        receipt,
+        prefill_time,
+        last_layer_to_commit,
+        prefill_end_to_commit,
+        compute_started,
+        compute_ended,
+        chunks,
+        layers,
+    })
 }

@@ -372,6 +372,12 @@ impl KvRegistry {
         }
     }
 
+    /// Aborts every reservation (shutdown after the grace period); returns how many.
+    pub fn abort_all(&self, reason: &str) -> usize {
+        let ids: Vec<String> = lock(&self.entries).keys().cloned().collect();
+        ids.iter().filter(|id| self.abort(id, reason).is_ok()).count()
+    }
+
     /// Fails every reservation whose lease has ended; returns how many.
     pub fn expire_due(&self) -> usize {
         let now = Instant::now();

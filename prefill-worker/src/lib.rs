@@ -3,16 +3,22 @@
 //! the layer is computed, commits with the first token and returns that token with the
 //! timings measured here (pd.v1.PrefillWorker). One prefill runs at a time per engine; the
 //! others wait in a FIFO queue whose size is reported as waiting prefill tokens.
+//!
+//! `/metrics`, `/health` and `/ready` are served on a second, HTTP port. On shutdown
+//! (SIGTERM) readiness fails, new prefills are refused, and the process exits once the
+//! accepted ones are answered (or the grace period ends).
 
 pub mod service;
 
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pd_engine::{CacheConfig, Engine, LoadOptions};
 use pd_proto::v1::prefill_worker_server::PrefillWorkerServer;
+use pd_telemetry::metrics::PrefillMetrics;
+use pd_telemetry::Metrics;
 use tokio::net::TcpListener;
 
 pub use service::PrefillService;
@@ -28,19 +34,59 @@ pub struct Config {
     pub chunk: usize,
     /// Longest wait on a decode worker's KV service (connect, window, commit).
     pub kv_timeout: Duration,
+    /// On shutdown, the longest wait for accepted prefills to finish.
+    pub grace: Duration,
 }
 
-/// Loads the model and serves until `shutdown` resolves.
-pub async fn run(config: Config, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+/// Loads the model and serves gRPC on `listener` and the HTTP endpoints on `http` until
+/// `shutdown` resolves, then drains.
+pub async fn run(
+    config: Config,
+    listener: TcpListener,
+    http: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let metrics = Arc::new(Metrics::new());
+    let (ready_tx, ready_rx) = tokio::sync::watch::channel(false);
+    let (http_stop_tx, http_stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let http_server = tokio::spawn(pd_telemetry::http::serve(http, metrics.clone(), ready_rx, async {
+        let _ = http_stop_rx.await;
+    }));
     let engine = {
         let config = config.clone();
         tokio::task::spawn_blocking(move || Engine::load(&config.model, config.load, config.cache)).await??
     };
-    let service = PrefillService::new(Arc::new(engine), config.chunk, config.kv_timeout);
+    let service = PrefillService::new(Arc::new(engine), config.chunk, config.kv_timeout, PrefillMetrics::register(&metrics));
+    let scraped = service.clone();
+    metrics.on_scrape(move || scraped.refresh_gauges());
+    let draining = service.clone();
+    let grace = config.grace;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let ready_flag = ready_tx.clone();
+    tokio::spawn(async move {
+        shutdown.await;
+        ready_flag.send_replace(false);
+        draining.stop_accepting();
+        let deadline = Instant::now() + grace;
+        tracing::info!(in_flight = draining.in_flight(), grace_ms = grace.as_millis() as u64, "shutting down: refusing new prefills");
+        while draining.in_flight() > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if draining.in_flight() > 0 {
+            tracing::warn!(in_flight = draining.in_flight(), "grace period over with prefills still running");
+        }
+        let _ = stop_tx.send(());
+    });
+    ready_tx.send_replace(true);
     let incoming = pd_kv_transfer::grpc::nodelay_incoming(listener);
-    tonic::transport::Server::builder()
+    let result = tonic::transport::Server::builder()
         .add_service(PrefillWorkerServer::new(service))
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await?;
-    Ok(())
+        .serve_with_incoming_shutdown(incoming, async {
+            let _ = stop_rx.await;
+        })
+        .await;
+    let _ = http_stop_tx.send(());
+    let _ = http_server.await;
+    tracing::info!("stopped");
+    Ok(result?)
 }

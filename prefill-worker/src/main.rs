@@ -11,10 +11,13 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// pd prefill worker.
 #[derive(Debug, Parser)]
-struct Args {
+pub struct Args {
     /// Address to listen on (PrefillWorker service).
     #[arg(long, env = "PD_PREFILL_LISTEN", default_value = "127.0.0.1:0")]
     listen: String,
+    /// Address of the HTTP endpoints /metrics, /health and /ready.
+    #[arg(long, env = "PD_METRICS_LISTEN", default_value = "127.0.0.1:0")]
+    metrics_listen: String,
     /// GGUF file or Hugging Face folder.
     #[arg(long, env = "PD_MODEL", default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
     model: PathBuf,
@@ -30,9 +33,15 @@ struct Args {
     /// Longest wait on a decode worker's KV service, in milliseconds.
     #[arg(long, default_value_t = 5_000)]
     kv_timeout_ms: u64,
+    /// On SIGTERM, the longest wait for accepted prefills, in milliseconds.
+    #[arg(long, env = "PD_GRACE_MS", default_value_t = 30_000)]
+    grace_ms: u64,
     /// Compute threads.
     #[arg(long, env = "PD_THREADS", default_value_t = 1)]
     threads: usize,
+    /// Log lines: human or json.
+    #[arg(long, env = "PD_LOG_FORMAT", default_value = "human")]
+    log_format: pd_telemetry::LogFormat,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -43,17 +52,24 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn serve(args: Args) -> anyhow::Result<()> {
+    let telemetry = pd_telemetry::init("pd-prefill", args.log_format, "prefill", &pd_telemetry::instance_name());
     let config = pd_prefill::Config {
         model: args.model,
         load: LoadOptions { weights: args.weights, ..LoadOptions::default() },
         cache: CacheConfig::with_blocks(args.kv_blocks),
         chunk: args.chunk,
         kv_timeout: Duration::from_millis(args.kv_timeout_ms),
+        grace: Duration::from_millis(args.grace_ms),
     };
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
+    let http = tokio::net::TcpListener::bind(&args.metrics_listen).await?;
+    // The lines launchers and tests wait for.
+    println!("pd-prefill metrics on {}", http.local_addr()?);
     println!("pd-prefill listening on {}", listener.local_addr()?);
-    let shutdown = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    pd_prefill::run(config, listener, shutdown).await
+    let result = pd_prefill::run(config, listener, http, pd_telemetry::shutdown_signal()).await;
+    if let Err(e) = &result {
+        tracing::error!(error = %e, "pd-prefill failed");
+    }
+    drop(telemetry);
+    result
 }

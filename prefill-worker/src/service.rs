@@ -1,7 +1,12 @@
-//! The `pd.v1.PrefillWorker` service.
+//! The `pd.v1.PrefillWorker` service: a FIFO queue in front of one engine, the prompt's KV
+//! shipped layer by layer to the decode worker named in the request, and the request's
+//! stages as spans in its trace (`prefill.queue`, `prefill.compute` with an event per
+//! chunk, `kv.send`, whose context travels in the KV transfer header so the decode worker's
+//! `kv.receive` is its child). While draining (SIGTERM) new prefills are refused with
+//! UNAVAILABLE, which the router retries on another worker.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -11,15 +16,27 @@ use pd_kv_transfer::grpc::GrpcKvSender;
 use pd_kv_transfer::{KvGeometry, TransferError, TransferHeader};
 use pd_proto::v1 as pb;
 use pb::prefill_worker_server::PrefillWorker;
+use pd_telemetry::metrics::PrefillMetrics;
+use pd_telemetry::opentelemetry::KeyValue;
+use pd_telemetry::{input_bucket, RequestClass, StageSpan};
 use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
 
-/// Load gauges, updated by `Admitted` guards so every exit path counts down.
+/// Load gauges, updated by `Counted` guards so every exit path counts down.
 #[derive(Debug, Default)]
 struct Gauges {
     waiting_tokens: AtomicU64,
     queued: AtomicU32,
     running: AtomicU32,
+    next_ticket: AtomicU64,
+    /// Arrival time of every queued prefill, by ticket (oldest first).
+    queued_since: Mutex<BTreeMap<u64, Instant>>,
+}
+
+impl Gauges {
+    fn oldest_queued_age(&self) -> Duration {
+        self.queued_since.lock().ok().and_then(|q| q.values().next().map(|t| t.elapsed())).unwrap_or_default()
+    }
 }
 
 /// Shared state of the prefill service.
@@ -32,28 +49,51 @@ pub struct PrefillService {
     senders: Arc<Mutex<HashMap<String, GrpcKvSender>>>,
     chunk: usize,
     kv_timeout: Duration,
+    metrics: PrefillMetrics,
+    stopping: Arc<AtomicBool>,
 }
 
 /// Counts a request in the gauges from arrival until it is dropped.
 struct Counted {
     gauges: Arc<Gauges>,
     tokens: u64,
+    ticket: u64,
     running: bool,
 }
 
 impl Counted {
+    fn new(gauges: Arc<Gauges>, tokens: u64, arrived: Instant) -> Self {
+        let ticket = gauges.next_ticket.fetch_add(1, Ordering::Relaxed);
+        gauges.waiting_tokens.fetch_add(tokens, Ordering::Relaxed);
+        gauges.queued.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut q) = gauges.queued_since.lock() {
+            q.insert(ticket, arrived);
+        }
+        Counted { gauges, tokens, ticket, running: false }
+    }
+
     fn start_running(&mut self) {
-        self.gauges.queued.fetch_sub(1, Ordering::Relaxed);
+        self.leave_queue();
         self.gauges.running.fetch_add(1, Ordering::Relaxed);
         self.running = true;
+    }
+
+    fn leave_queue(&self) {
+        self.gauges.queued.fetch_sub(1, Ordering::Relaxed);
+        if let Ok(mut q) = self.gauges.queued_since.lock() {
+            q.remove(&self.ticket);
+        }
     }
 }
 
 impl Drop for Counted {
     fn drop(&mut self) {
         self.gauges.waiting_tokens.fetch_sub(self.tokens, Ordering::Relaxed);
-        let gauge = if self.running { &self.gauges.running } else { &self.gauges.queued };
-        gauge.fetch_sub(1, Ordering::Relaxed);
+        if self.running {
+            self.gauges.running.fetch_sub(1, Ordering::Relaxed);
+        } else {
+            self.leave_queue();
+        }
     }
 }
 
@@ -90,7 +130,7 @@ fn geometry_from_target(t: &pb::KvTarget) -> Result<KvGeometry, Status> {
 }
 
 impl PrefillService {
-    pub fn new(engine: Arc<Engine>, chunk: usize, kv_timeout: Duration) -> Self {
+    pub fn new(engine: Arc<Engine>, chunk: usize, kv_timeout: Duration, metrics: PrefillMetrics) -> Self {
         PrefillService {
             engine,
             slot: Arc::new(Semaphore::new(1)),
@@ -98,7 +138,25 @@ impl PrefillService {
             senders: Arc::new(Mutex::new(HashMap::new())),
             chunk: chunk.max(1),
             kv_timeout,
+            metrics,
+            stopping: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    /// Refuses new prefills from now on (SIGTERM); those already accepted go on.
+    pub fn stop_accepting(&self) {
+        self.stopping.store(true, Ordering::Relaxed);
+    }
+
+    /// Prefills accepted and not yet answered (queued or running).
+    pub fn in_flight(&self) -> u32 {
+        self.gauges.queued.load(Ordering::Relaxed) + self.gauges.running.load(Ordering::Relaxed)
+    }
+
+    /// Updates the scrape-time gauges (waiting tokens, oldest queue age).
+    pub fn refresh_gauges(&self) {
+        self.metrics.waiting_tokens.set(self.gauges.waiting_tokens.load(Ordering::Relaxed) as f64);
+        self.metrics.oldest_age.set(self.gauges.oldest_queued_age().as_secs_f64());
     }
 
     /// A connected sender to `endpoint`, reused across requests.
@@ -118,13 +176,14 @@ impl PrefillService {
             m.remove(endpoint);
         }
     }
-}
 
-#[tonic::async_trait]
-impl PrefillWorker for PrefillService {
-    async fn prefill(&self, request: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
-        let arrived = Instant::now();
-        let req = request.into_inner();
+    fn refuse(&self, reason: &'static str, status: Status) -> Status {
+        self.metrics.rejected.with_label_values(&[reason]).inc();
+        status
+    }
+
+    /// Checks the request and returns (prompt, target, geometry, sampling).
+    fn check(&self, req: pb::PrefillRequest) -> Result<(Vec<u32>, pb::KvTarget, KvGeometry, SamplingParams), Status> {
         if req.prompt_tokens.is_empty() {
             return Err(Status::invalid_argument("prompt_tokens is empty"));
         }
@@ -140,36 +199,91 @@ impl PrefillWorker for PrefillService {
                 req.prompt_tokens.len()
             )));
         }
-        let tokens = req.prompt_tokens.len() as u64;
-        self.gauges.waiting_tokens.fetch_add(tokens, Ordering::Relaxed);
-        self.gauges.queued.fetch_add(1, Ordering::Relaxed);
-        let mut counted = Counted { gauges: self.gauges.clone(), tokens, running: false };
+        Ok((req.prompt_tokens, target, geometry, sampling))
+    }
+}
+
+#[tonic::async_trait]
+impl PrefillWorker for PrefillService {
+    async fn prefill(&self, request: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
+        let arrived = Instant::now();
+        let parent = pd_telemetry::otel::extract_metadata(request.metadata());
+        let class = RequestClass::from_metadata(request.metadata());
+        if self.stopping.load(Ordering::Relaxed) {
+            return Err(self.refuse("shutting_down", Status::unavailable("the prefill worker is shutting down")));
+        }
+        let queue_span = StageSpan::start("prefill.queue", &parent);
+        let (prompt, target, geometry, sampling) = match self.check(request.into_inner()) {
+            Ok(c) => c,
+            Err(status) => {
+                queue_span.error(status.message());
+                return Err(self.refuse("invalid_request", status));
+            }
+        };
+        let tokens = prompt.len();
+        let labels = [class.as_str(), input_bucket(tokens)];
+        queue_span.set("gen_ai.usage.input_tokens", tokens as i64);
+        let mut counted = Counted::new(self.gauges.clone(), tokens as u64, arrived);
         let _permit = self.slot.acquire().await.map_err(|_| Status::unavailable("the prefill worker is stopping"))?;
         counted.start_running();
-        let queue_ms = arrived.elapsed().as_secs_f64() * 1e3;
+        let queue_time = arrived.elapsed();
+        self.metrics.queue_time.with_label_values(&labels).observe(queue_time.as_secs_f64());
+        queue_span.end();
+
+        let compute_span = StageSpan::start("prefill.compute", &parent);
+        compute_span.set("gen_ai.usage.input_tokens", tokens as i64);
+        compute_span.set("pd.prefill.chunk_tokens", self.chunk as i64);
+        let send_span = StageSpan::start("kv.send", &parent);
+        send_span.set("pd.kv.backend", "grpc");
+        send_span.set("pd.kv.endpoint", target.kv_endpoint.clone());
+        send_span.set("pd.kv.blocks", target.block_ids.len() as i64);
         let endpoint = target.kv_endpoint.clone();
-        let sender = self.sender(&endpoint).await.map_err(|e| e.to_status())?;
+        let sender = match self.sender(&endpoint).await {
+            Ok(s) => s,
+            Err(e) => {
+                send_span.error(e.to_string());
+                compute_span.error("not started: the decode worker's KV service is unreachable");
+                return Err(e.to_status());
+            }
+        };
         let header = TransferHeader {
             transfer_id: target.transfer_id.clone(),
             geometry,
             block_ids: target.block_ids.clone(),
-            num_tokens: req.prompt_tokens.len() as u32,
-            trace_context: Default::default(),
+            num_tokens: tokens as u32,
+            trace_context: pd_telemetry::otel::inject_map(send_span.context()),
         };
-        let sent = prefill_and_send(self.engine.clone(), req.prompt_tokens, self.chunk, header, &sender, &sampling).await;
+        let sent = prefill_and_send(self.engine.clone(), prompt, self.chunk, header, &sender, &sampling).await;
         let sent = match sent {
             Ok(s) => s,
             Err(e) => {
                 if matches!(e, TransferError::Transport(_) | TransferError::Timeout(..)) {
                     self.forget_sender(&endpoint);
                 }
+                send_span.error(e.to_string());
+                compute_span.error(e.to_string());
                 return Err(e.to_status());
             }
         };
         drop(counted);
+        for (i, (chunk_tokens, at)) in sent.chunks.iter().enumerate() {
+            compute_span.event_at(
+                "prefill.chunk",
+                *at,
+                vec![KeyValue::new("pd.chunk.index", i as i64), KeyValue::new("pd.chunk.tokens", *chunk_tokens as i64)],
+            );
+        }
+        compute_span.end_at(sent.compute_ended);
+        send_span.set("pd.kv.bytes", sent.receipt.bytes as i64);
+        send_span.set("pd.kv.frames", sent.receipt.frames as i64);
+        send_span.set("pd.kv.layers", sent.layers as i64);
+        send_span.set("pd.kv.prefill_end_to_commit_ms", sent.prefill_end_to_commit.as_secs_f64() * 1e3);
+        send_span.end();
+        self.metrics.prefill_time.with_label_values(&labels).observe(sent.prefill_time.as_secs_f64());
+        self.metrics.kv_transfer_bytes.inc_by(sent.receipt.bytes);
         Ok(Response::new(pb::PrefillResponse {
             first_token: sent.first_token,
-            queue_ms,
+            queue_ms: queue_time.as_secs_f64() * 1e3,
             prefill_ms: sent.prefill_time.as_secs_f64() * 1e3,
             kv_commit_ms: sent.prefill_end_to_commit.as_secs_f64() * 1e3,
             kv_bytes: sent.receipt.bytes,
@@ -177,6 +291,10 @@ impl PrefillWorker for PrefillService {
     }
 
     async fn load(&self, _request: Request<pb::LoadRequest>) -> Result<Response<pb::PrefillLoad>, Status> {
+        if self.stopping.load(Ordering::Relaxed) {
+            // The router's choice skips workers whose load query fails.
+            return Err(Status::unavailable("the prefill worker is shutting down"));
+        }
         Ok(Response::new(pb::PrefillLoad {
             waiting_prefill_tokens: self.gauges.waiting_tokens.load(Ordering::Relaxed),
             running_prefills: self.gauges.running.load(Ordering::Relaxed),

@@ -38,6 +38,20 @@ impl RouterError {
         RouterError::InvalidRequest { message: message.into(), param: Some(param.to_string()) }
     }
 
+    /// The `reason` label of `pd_requests_rejected_total` and the record's outcome detail.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            RouterError::InvalidRequest { .. } => "invalid_request",
+            RouterError::ModelNotFound(_) => "model_not_found",
+            RouterError::TooLarge(_) => "too_large",
+            RouterError::UnsupportedMediaType => "unsupported_media_type",
+            RouterError::Unprocessable(_) => "unprocessable",
+            RouterError::Overloaded(_) => "overloaded",
+            RouterError::NoWorker(_) => "no_worker",
+            RouterError::Worker { .. } => "worker_failed",
+        }
+    }
+
     pub fn http_status(&self) -> StatusCode {
         match self {
             RouterError::InvalidRequest { .. } => StatusCode::BAD_REQUEST,

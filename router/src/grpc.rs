@@ -11,6 +11,8 @@ use tonic::{Request, Response, Status};
 use crate::error::RouterError;
 use crate::http::AppState;
 use crate::lifecycle::{self, Update};
+use crate::record::Arrival;
+use pd_telemetry::RequestClass;
 use crate::validate::{Kind, ValidRequest};
 
 /// The Generation service.
@@ -60,10 +62,13 @@ impl Generation for GenerationService {
     type GenerateStream = std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
 
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+        let arrival = Arrival::new(&pd_telemetry::otel::extract_metadata(request.metadata()));
+        let class = AppState::class(request.metadata().get(RequestClass::HEADER).map(|v| v.as_bytes()));
         let req = request.into_inner();
         let id = if req.request_id.is_empty() { self.state.request_id() } else { req.request_id.clone() };
-        let valid = validate(&self.state, req).map_err(|e| e.to_status())?;
-        let updates = lifecycle::start(self.state.pools.clone(), &valid, id.clone()).await.map_err(|e| e.to_status())?;
+        let validated = validate(&self.state, req);
+        let (valid, record) = self.state.admit(arrival, class, validated, id.clone()).map_err(|e| e.to_status())?;
+        let updates = lifecycle::start(self.state.pools.clone(), &valid, record).await.map_err(|e| e.to_status())?;
         let stream = updates.map(move |u| match u {
             Ok(Update::Token { token_id, text }) => Ok(pb::GenerateResponse {
                 message: Some(pb::generate_response::Message::Token(pb::GeneratedToken { token_id, text })),

@@ -3,7 +3,7 @@
 //! the stream with an error event (never a silent close or a `[DONE]`).
 
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -20,6 +20,9 @@ use serde_json::json;
 
 use crate::error::RouterError;
 use crate::lifecycle::{self, Update};
+use crate::record::{Arrival, RequestRecord};
+use pd_telemetry::metrics::RouterMetrics;
+use pd_telemetry::{Metrics, RequestClass};
 use crate::validate::{validate, Kind, Limits, ValidRequest};
 use crate::workers::Pools;
 
@@ -32,11 +35,47 @@ pub struct AppState {
     pub model_name: String,
     pub body_limit: usize,
     pub next_id: AtomicU64,
+    pub metrics: Arc<Metrics>,
+    pub router_metrics: RouterMetrics,
+    /// Set on SIGTERM: `/ready` fails so the load balancer stops sending new requests.
+    pub draining: AtomicBool,
 }
 
 impl AppState {
     pub fn request_id(&self) -> String {
         format!("req-{}-{}", std::process::id(), self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// The request's traffic class from the `x-pd-class` header or metadata value.
+    pub fn class(value: Option<&[u8]>) -> Result<RequestClass, RouterError> {
+        match value {
+            None => Ok(RequestClass::default_class()),
+            Some(v) => std::str::from_utf8(v)
+                .map_err(|_| RouterError::invalid(RequestClass::HEADER, "is not UTF-8"))
+                .and_then(|s| RequestClass::parse(s).map_err(|e| RouterError::invalid(RequestClass::HEADER, e))),
+        }
+    }
+
+    /// Validation's outcome as a record: a failed one is logged, counted and answered.
+    pub fn admit(
+        &self,
+        arrival: Arrival,
+        class: Result<RequestClass, RouterError>,
+        validated: Result<ValidRequest, RouterError>,
+        request_id: String,
+    ) -> Result<(ValidRequest, RequestRecord), RouterError> {
+        let checked = class.and_then(|c| validated.map(|r| (c, r)));
+        match checked {
+            Ok((class, req)) => {
+                let record = arrival.into_record(self.router_metrics.clone(), request_id, class, Some(&req));
+                Ok((req, record))
+            }
+            Err(e) => {
+                let record = arrival.into_record(self.router_metrics.clone(), request_id, RequestClass::default_class(), None);
+                record.fail(&e);
+                Err(e)
+            }
+        }
     }
 }
 
@@ -47,6 +86,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
         .with_state(state)
 }
 
@@ -94,15 +134,17 @@ async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap
 }
 
 async fn handle(state: Arc<AppState>, kind: Kind, headers: HeaderMap, body: Body) -> Response {
-    let req = match read_body(&state, &headers, body)
+    let arrival = Arrival::new(&pd_telemetry::otel::extract_headers(&headers));
+    let class = AppState::class(headers.get(RequestClass::HEADER).map(|v| v.as_bytes()));
+    let validated = read_body(&state, &headers, body)
         .await
-        .and_then(|b| validate(kind, &b, &state.text, &state.model_name, &state.limits))
-    {
+        .and_then(|b| validate(kind, &b, &state.text, &state.model_name, &state.limits));
+    let id = state.request_id();
+    let (req, record) = match state.admit(arrival, class, validated, id.clone()) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let id = state.request_id();
-    let updates = match lifecycle::start(state.pools.clone(), &req, id.clone()).await {
+    let updates = match lifecycle::start(state.pools.clone(), &req, record).await {
         Ok(u) => u,
         Err(e) => return e.into_response(),
     };
@@ -218,7 +260,14 @@ async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
     }))
 }
 
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    pd_telemetry::http::metrics_response(&state.metrics)
+}
+
 async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    if state.draining.load(Ordering::Relaxed) {
+        return (StatusCode::SERVICE_UNAVAILABLE, "draining: shutting down").into_response();
+    }
     if state.pools.ready().await {
         (StatusCode::OK, "ready").into_response()
     } else {

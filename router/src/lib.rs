@@ -6,15 +6,17 @@ pub mod error;
 pub mod grpc;
 pub mod http;
 pub mod lifecycle;
+pub mod record;
 pub mod validate;
 pub mod workers;
 
 use std::future::Future;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use pd_proto::v1::generation_server::GenerationServer;
+use pd_telemetry::metrics::RouterMetrics;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 
@@ -33,6 +35,9 @@ pub struct Config {
     pub limits: Limits,
     /// Largest accepted request body in bytes.
     pub body_limit: usize,
+    /// After the shutdown signal: how long `/ready` fails while the servers still accept
+    /// requests, so load balancers stop sending new ones before the listeners close.
+    pub drain_delay: std::time::Duration,
 }
 
 /// Accepted gRPC connections with TCP_NODELAY (token messages are small).
@@ -56,6 +61,7 @@ pub async fn run(
         let model = config.model.clone();
         tokio::task::spawn_blocking(move || pd_engine::load_text_side(&model)).await??
     };
+    let metrics = Arc::new(pd_telemetry::Metrics::new());
     let state = Arc::new(http::AppState {
         text,
         pools: Arc::new(workers::Pools {
@@ -66,10 +72,20 @@ pub async fn run(
         model_name: config.model_name.clone(),
         body_limit: config.body_limit,
         next_id: AtomicU64::new(0),
+        router_metrics: RouterMetrics::register(&metrics),
+        metrics,
+        draining: AtomicBool::new(false),
     });
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let drain_state = state.clone();
+    let drain_delay = config.drain_delay;
     tokio::spawn(async move {
         shutdown.await;
+        // Readiness fails first; the listeners close after the drain delay, and open
+        // streams then run to their end (graceful shutdown of both servers).
+        drain_state.draining.store(true, Ordering::Relaxed);
+        tracing::info!(drain_delay_ms = drain_delay.as_millis() as u64, "shutting down: /ready now fails");
+        tokio::time::sleep(drain_delay).await;
         let _ = stop_tx.send(true);
     });
     let reflection = tonic_reflection::server::Builder::configure()
@@ -93,5 +109,6 @@ pub async fn run(
     let (g, h) = tokio::join!(grpc_server, http_server);
     g?;
     h?;
+    tracing::info!("stopped");
     Ok(())
 }

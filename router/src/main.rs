@@ -34,11 +34,18 @@ struct Args {
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 1 << 20)]
     body_limit: usize,
+    /// On SIGTERM, how long /ready fails before the listeners close (milliseconds).
+    #[arg(long, env = "PD_DRAIN_DELAY_MS", default_value_t = 5_000)]
+    drain_delay_ms: u64,
+    /// Log lines: human or json.
+    #[arg(long, env = "PD_LOG_FORMAT", default_value = "human")]
+    log_format: pd_telemetry::LogFormat,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let telemetry = pd_telemetry::init("pd-router", args.log_format, "router", &pd_telemetry::instance_name());
     let config = pd_router::Config {
         model: args.model,
         model_name: args.model_name,
@@ -46,12 +53,15 @@ async fn main() -> anyhow::Result<()> {
         decode_workers: args.decode,
         limits: pd_router::Limits { max_tokens: args.max_tokens, default_completion_tokens: 16, default_chat_tokens: 512 },
         body_limit: args.body_limit,
+        drain_delay: std::time::Duration::from_millis(args.drain_delay_ms),
     };
     let http = tokio::net::TcpListener::bind(&args.http_listen).await?;
     let grpc = tokio::net::TcpListener::bind(&args.grpc_listen).await?;
     println!("pd-router http on {} grpc on {}", http.local_addr()?, grpc.local_addr()?);
-    let shutdown = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    pd_router::run(config, http, grpc, shutdown).await
+    let result = pd_router::run(config, http, grpc, pd_telemetry::shutdown_signal()).await;
+    if let Err(e) = &result {
+        tracing::error!(error = %e, "pd-router failed");
+    }
+    drop(telemetry); // flushes pending spans
+    result
 }

@@ -70,6 +70,14 @@ impl Pool {
     }
 }
 
+/// A chosen worker, its client and why it was chosen (for the route span).
+#[derive(Debug)]
+pub struct Picked<C> {
+    pub addr: String,
+    pub client: C,
+    pub why: String,
+}
+
 /// Both pools.
 #[derive(Debug)]
 pub struct Pools {
@@ -79,8 +87,9 @@ pub struct Pools {
 
 impl Pools {
     /// The decode worker with the most free KV blocks (fewest running sequences on ties).
-    pub async fn pick_decode(&self, exclude: &[String]) -> Result<(String, DecodeWorkerClient<Channel>), RouterError> {
+    pub async fn pick_decode(&self, exclude: &[String]) -> Result<Picked<DecodeWorkerClient<Channel>>, RouterError> {
         let mut best: Option<(String, DecodeWorkerClient<Channel>, (u32, i64))> = None;
+        let mut answered = 0;
         for addr in self.decode.endpoints().await {
             if exclude.contains(&addr) {
                 continue;
@@ -88,6 +97,7 @@ impl Pools {
             let mut client = DecodeWorkerClient::new(self.decode.channel(&addr)?);
             match tokio::time::timeout(LOAD_TIMEOUT, client.load(pb::LoadRequest {})).await {
                 Ok(Ok(load)) => {
+                    answered += 1;
                     let l = load.into_inner();
                     let score = (l.free_blocks, -(l.running_sequences as i64));
                     if best.as_ref().is_none_or(|(_, _, s)| score > *s) {
@@ -97,12 +107,18 @@ impl Pools {
                 _ => self.decode.forget(&addr),
             }
         }
-        best.map(|(a, c, _)| (a, c)).ok_or(RouterError::NoWorker("decode"))
+        best.map(|(addr, client, (free, running))| Picked {
+            addr,
+            client,
+            why: format!("most free KV blocks: {free} free, {} running, of {answered} answering", -running),
+        })
+        .ok_or(RouterError::NoWorker("decode"))
     }
 
     /// The prefill worker with the fewest waiting prefill tokens.
-    pub async fn pick_prefill(&self, exclude: &[String]) -> Result<(String, PrefillWorkerClient<Channel>), RouterError> {
+    pub async fn pick_prefill(&self, exclude: &[String]) -> Result<Picked<PrefillWorkerClient<Channel>>, RouterError> {
         let mut best: Option<(String, PrefillWorkerClient<Channel>, u64)> = None;
+        let mut answered = 0;
         for addr in self.prefill.endpoints().await {
             if exclude.contains(&addr) {
                 continue;
@@ -110,6 +126,7 @@ impl Pools {
             let mut client = PrefillWorkerClient::new(self.prefill.channel(&addr)?);
             match tokio::time::timeout(LOAD_TIMEOUT, client.load(pb::LoadRequest {})).await {
                 Ok(Ok(load)) => {
+                    answered += 1;
                     let waiting = load.into_inner().waiting_prefill_tokens;
                     if best.as_ref().is_none_or(|(_, _, w)| waiting < *w) {
                         best = Some((addr, client, waiting));
@@ -118,7 +135,12 @@ impl Pools {
                 _ => self.prefill.forget(&addr),
             }
         }
-        best.map(|(a, c, _)| (a, c)).ok_or(RouterError::NoWorker("prefill"))
+        best.map(|(addr, client, waiting)| Picked {
+            addr,
+            client,
+            why: format!("fewest waiting prefill tokens: {waiting}, of {answered} answering"),
+        })
+        .ok_or(RouterError::NoWorker("prefill"))
     }
 
     /// True when at least one worker of each pool answers.

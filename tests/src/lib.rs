@@ -48,13 +48,35 @@ impl Drop for Proc {
     }
 }
 
-/// Starts `name` with `args` and waits for the stdout line starting with `prefix`.
-fn spawn(name: &str, args: &[&str], prefix: &str) -> (Proc, String) {
+/// How to start a cluster.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// Prefill workers.
+    pub prefill: usize,
+    /// Environment variables for every process.
+    pub env: Vec<(String, String)>,
+    /// Extra flags per binary.
+    pub router_args: Vec<String>,
+    pub decode_args: Vec<String>,
+    pub prefill_args: Vec<String>,
+    /// Write each process's stderr (its log) to a file in a temporary folder instead of the
+    /// test's stderr (see `Cluster::log`).
+    pub capture_logs: bool,
+}
+
+/// Starts `name` with `args` and waits for the stdout line starting with `prefix`; returns
+/// the lines printed up to it (the last one without its prefix).
+fn spawn(name: &str, args: &[String], prefix: &str, options: &Options, log: Option<PathBuf>) -> (Proc, Vec<String>) {
+    let stderr = match &log {
+        Some(path) => Stdio::from(std::fs::File::create(path).unwrap_or_else(|e| panic!("log file {}: {e}", path.display()))),
+        None => Stdio::inherit(),
+    };
     let mut child = Command::new(binary(name))
         .args(args)
         .env("UCX_NET_DEVICES", "lo")
+        .envs(options.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(stderr)
         .spawn()
         .unwrap_or_else(|e| panic!("starting {name}: {e}"));
     let stdout = child.stdout.take().expect("stdout");
@@ -69,18 +91,28 @@ fn spawn(name: &str, args: &[&str], prefix: &str) -> (Proc, String) {
         }
     });
     let deadline = Instant::now() + Duration::from_secs(60);
+    let mut lines = Vec::new();
     while let Some(left) = deadline.checked_duration_since(Instant::now()) {
         match rx.recv_timeout(left) {
             Ok(line) if line.starts_with(prefix) => {
-                let rest = line[prefix.len()..].trim().to_string();
-                return (proc, rest);
+                lines.push(line[prefix.len()..].trim().to_string());
+                return (proc, lines);
             }
-            Ok(_) => continue,
+            Ok(line) => lines.push(line),
             Err(_) => break,
         }
     }
     drop(proc);
     panic!("{name} did not print `{prefix}`");
+}
+
+/// The address printed after `prefix` among `lines`.
+fn printed(lines: &[String], prefix: &str) -> String {
+    lines
+        .iter()
+        .find_map(|l| l.strip_prefix(prefix))
+        .map(|a| a.trim().to_string())
+        .unwrap_or_else(|| panic!("no `{prefix}` line in {lines:?}"))
 }
 
 /// A router, one decode worker and `prefill` prefill workers.
@@ -92,44 +124,77 @@ pub struct Cluster {
     pub grpc: String,
     pub decode_addr: String,
     pub prefill_addrs: Vec<String>,
+    /// HTTP address of the decode worker's /metrics, /health, /ready.
+    pub decode_metrics: String,
+    pub prefill_metrics: Vec<String>,
+    logs: Option<tempfile::TempDir>,
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
 }
 
 impl Cluster {
     pub async fn start(prefill: usize) -> Cluster {
+        Self::start_with(Options { prefill, ..Options::default() }).await
+    }
+
+    pub async fn start_with(options: Options) -> Cluster {
         let model = model_path();
         let model = model.to_str().expect("utf-8 path");
-        let (decode, decode_addr) =
-            spawn("pd-decode", &["--listen", "127.0.0.1:0", "--model", model, "--kv-blocks", "1024"], "pd-decode listening on");
+        let logs = options.capture_logs.then(|| tempfile::tempdir().expect("log folder"));
+        let log = |name: &str| logs.as_ref().map(|d| d.path().join(format!("{name}.log")));
+        let mut args = strings(&["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--model", model, "--kv-blocks", "1024"]);
+        args.extend(options.decode_args.iter().cloned());
+        let (decode, lines) = spawn("pd-decode", &args, "pd-decode listening on", &options, log("pd-decode"));
+        let decode_addr = lines.last().cloned().unwrap_or_default();
+        let decode_metrics = printed(&lines, "pd-decode metrics on");
         let mut workers = Vec::new();
         let mut addrs = Vec::new();
-        for _ in 0..prefill {
-            let (p, a) = spawn("pd-prefill", &["--listen", "127.0.0.1:0", "--model", model], "pd-prefill listening on");
+        let mut prefill_metrics = Vec::new();
+        for i in 0..options.prefill {
+            let mut args = strings(&["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--model", model]);
+            args.extend(options.prefill_args.iter().cloned());
+            let (p, lines) = spawn("pd-prefill", &args, "pd-prefill listening on", &options, log(&format!("pd-prefill-{i}")));
             workers.push(p);
-            addrs.push(a);
+            addrs.push(lines.last().cloned().unwrap_or_default());
+            prefill_metrics.push(printed(&lines, "pd-prefill metrics on"));
         }
-        let (router, line) = spawn(
-            "pd-router",
-            &[
-                "--http-listen",
-                "127.0.0.1:0",
-                "--grpc-listen",
-                "127.0.0.1:0",
-                "--prefill",
-                &addrs.join(","),
-                "--decode",
-                &decode_addr,
-                "--model",
-                model,
-            ],
-            "pd-router http on",
-        );
+        let mut args = strings(&["--http-listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--model", model]);
+        args.extend(["--prefill".to_string(), addrs.join(","), "--decode".to_string(), decode_addr.clone()]);
+        args.extend(options.router_args.iter().cloned());
+        let (router, lines) = spawn("pd-router", &args, "pd-router http on", &options, log("pd-router"));
         // "<http> grpc on <grpc>"
+        let line = lines.last().cloned().unwrap_or_default();
         let mut parts = line.split_whitespace();
         let http = parts.next().expect("http address").to_string();
         let grpc = parts.nth(2).expect("grpc address").to_string();
-        let cluster = Cluster { router, decode, prefill: workers, http, grpc, decode_addr, prefill_addrs: addrs };
+        let cluster = Cluster {
+            router,
+            decode,
+            prefill: workers,
+            http,
+            grpc,
+            decode_addr,
+            prefill_addrs: addrs,
+            decode_metrics,
+            prefill_metrics,
+            logs,
+        };
         cluster.wait_ready().await;
         cluster
+    }
+
+    /// What a process wrote to stderr so far (`pd-router`, `pd-decode`, `pd-prefill-0`, ...),
+    /// when the cluster was started with `capture_logs`.
+    pub fn log(&self, name: &str) -> String {
+        let dir = self.logs.as_ref().expect("start the cluster with capture_logs");
+        std::fs::read_to_string(dir.path().join(format!("{name}.log"))).unwrap_or_default()
+    }
+
+    /// The Prometheus text of the HTTP server at `addr` (`/metrics`).
+    pub async fn scrape(addr: &str) -> String {
+        reqwest::get(format!("http://{addr}/metrics")).await.expect("scrape").text().await.expect("metrics body")
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -164,4 +229,31 @@ impl Cluster {
             pd_proto::v1::prefill_worker_client::PrefillWorkerClient::connect(format!("http://{}", self.prefill_addrs[i])).await.ok()?;
         client.load(pd_proto::v1::LoadRequest {}).await.ok().map(|r| r.into_inner())
     }
+}
+
+/// Posts `body` to `url` with `headers` and reads the SSE response: each `data:` payload with
+/// its arrival time. Panics unless the status is 200.
+pub async fn sse_events(url: &str, body: &serde_json::Value, headers: &[(&str, &str)]) -> Vec<(Instant, String)> {
+    use futures_util::StreamExt;
+    let mut request = reqwest::Client::new().post(url).json(body);
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
+    let r = request.send().await.expect("request");
+    assert_eq!(r.status().as_u16(), 200);
+    let mut stream = r.bytes_stream();
+    let mut buffer = String::new();
+    let mut events = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        buffer.push_str(&String::from_utf8_lossy(&chunk.expect("chunk")));
+        while let Some(end) = buffer.find("\n\n") {
+            let event: String = buffer.drain(..end + 2).collect();
+            for line in event.lines() {
+                if let Some(data) = line.strip_prefix("data: ") {
+                    events.push((Instant::now(), data.to_string()));
+                }
+            }
+        }
+    }
+    events
 }

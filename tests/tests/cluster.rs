@@ -25,23 +25,7 @@ async fn post(cluster: &Cluster, path: &str, body: Value) -> (u16, Value) {
 
 /// Reads an SSE response: the data payloads with their arrival times.
 async fn sse(cluster: &Cluster, body: Value) -> Vec<(Instant, String)> {
-    let r = reqwest::Client::new().post(cluster.url("/v1/chat/completions")).json(&body).send().await.expect("request");
-    assert_eq!(r.status().as_u16(), 200);
-    let mut stream = r.bytes_stream();
-    let mut buffer = String::new();
-    let mut events = Vec::new();
-    while let Some(chunk) = stream.next().await {
-        buffer.push_str(&String::from_utf8_lossy(&chunk.expect("chunk")));
-        while let Some(end) = buffer.find("\n\n") {
-            let event: String = buffer.drain(..end + 2).collect();
-            for line in event.lines() {
-                if let Some(data) = line.strip_prefix("data: ") {
-                    events.push((Instant::now(), data.to_string()));
-                }
-            }
-        }
-    }
-    events
+    pd_tests::sse_events(&cluster.url("/v1/chat/completions"), &body, &[]).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,269 @@
+//! One request's account at the router: its root span (`router.request`), the client-side
+//! latency metrics (TTFT, every inter-token gap, e2e) and the structured record logged when
+//! it ends (DESIGN.md's fields). Worker timings come from the workers themselves: queue and
+//! prefill time from the prefill worker's response, KV transfer and decode time from the
+//! decode worker's `Finished` event; nothing here is derived by subtraction.
+//!
+//! A record dropped without `finish` or `fail` (the client went away) ends as `cancelled`.
+
+use std::time::Instant;
+
+use pd_telemetry::metrics::RouterMetrics;
+use pd_telemetry::opentelemetry::KeyValue;
+use pd_telemetry::{input_bucket, RequestClass, StageSpan};
+
+use crate::error::RouterError;
+use crate::validate::{Kind, ValidRequest};
+
+/// A request from its arrival until it was validated: the root span (`router.request`, child
+/// of the client's trace context if it sent one) and `router.queue`, the time before routing
+/// (body read, validation, tokenization).
+#[derive(Debug)]
+pub struct Arrival {
+    arrived: Instant,
+    root: StageSpan,
+    queue: StageSpan,
+}
+
+impl Arrival {
+    pub fn new(parent: &pd_telemetry::opentelemetry::Context) -> Self {
+        let root = StageSpan::start("router.request", parent);
+        let queue = StageSpan::start("router.queue", root.context());
+        Arrival { arrived: Instant::now(), root, queue }
+    }
+
+    /// Ends the queue span and opens the request's record (`req` is None when validation
+    /// failed: the caller then fails the record with the error).
+    pub fn into_record(self, metrics: RouterMetrics, request_id: String, class: RequestClass, req: Option<&ValidRequest>) -> RequestRecord {
+        let Arrival { arrived, root, queue } = self;
+        queue.end();
+        if let Some(r) = req {
+            let operation = match r.kind {
+                Kind::Chat => "chat",
+                Kind::Completion => "text_completion",
+            };
+            root.set("gen_ai.operation.name", operation);
+            root.set("gen_ai.request.model", r.model.clone());
+            root.set("gen_ai.request.max_tokens", r.sampling.max_tokens as i64);
+            root.set("gen_ai.request.temperature", r.sampling.temperature as f64);
+            if r.sampling.top_p > 0.0 {
+                root.set("gen_ai.request.top_p", r.sampling.top_p as f64);
+            }
+        }
+        let input_tokens = req.map(|r| r.prompt_tokens.len()).unwrap_or(0);
+        RequestRecord::new(metrics, request_id, class, input_tokens, arrived, root)
+    }
+}
+
+/// What the prefill worker measured.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PrefillTimings {
+    pub queue_ms: f64,
+    pub prefill_ms: f64,
+    pub kv_commit_ms: f64,
+}
+
+/// What the decode worker measured.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DecodeTimings {
+    pub kv_transfer_ms: f64,
+    pub decode_ms: f64,
+    pub kv_bytes: u64,
+}
+
+/// One request's account; see the module docs.
+#[derive(Debug)]
+pub struct RequestRecord {
+    metrics: RouterMetrics,
+    pub request_id: String,
+    class: RequestClass,
+    input_tokens: usize,
+    bucket: &'static str,
+    arrived: Instant,
+    root: StageSpan,
+    pub prefill_worker: String,
+    pub decode_worker: String,
+    prefill: Option<PrefillTimings>,
+    decode: Option<DecodeTimings>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    gaps_ms: Vec<f64>,
+    output_tokens: u32,
+    ended: bool,
+}
+
+/// The `q` quantile (0..=1) of sorted values, nearest rank.
+pub fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = (q * sorted.len() as f64).ceil().max(1.0) as usize;
+    sorted.get(rank.min(sorted.len()) - 1).copied()
+}
+
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+impl RequestRecord {
+    pub fn new(
+        metrics: RouterMetrics,
+        request_id: String,
+        class: RequestClass,
+        input_tokens: usize,
+        arrived: Instant,
+        root: StageSpan,
+    ) -> Self {
+        root.set("pd.request_id", request_id.clone());
+        root.set("pd.class", class.as_str().to_string());
+        root.set("pd.input_bucket", input_bucket(input_tokens));
+        root.set("gen_ai.usage.input_tokens", input_tokens as i64);
+        RequestRecord {
+            metrics,
+            request_id,
+            class,
+            input_tokens,
+            bucket: input_bucket(input_tokens),
+            arrived,
+            root,
+            prefill_worker: String::new(),
+            decode_worker: String::new(),
+            prefill: None,
+            decode: None,
+            first_token: None,
+            last_token: None,
+            gaps_ms: Vec::new(),
+            output_tokens: 0,
+            ended: false,
+        }
+    }
+
+    /// The root span (parent of every other span of the request).
+    pub fn span(&self) -> &StageSpan {
+        &self.root
+    }
+
+    pub fn metrics(&self) -> &RouterMetrics {
+        &self.metrics
+    }
+
+    pub fn class(&self) -> &RequestClass {
+        &self.class
+    }
+
+    fn labels(&self) -> [&str; 2] {
+        [self.class.as_str(), self.bucket]
+    }
+
+    /// A token was handed to the client's stream now.
+    pub fn token(&mut self) {
+        let now = Instant::now();
+        match self.last_token {
+            None => {
+                self.first_token = Some(now);
+                self.metrics.ttft.with_label_values(&self.labels()).observe((now - self.arrived).as_secs_f64());
+                self.root.event("first_token", vec![]);
+            }
+            Some(last) => {
+                let gap = now - last;
+                self.metrics.itl.with_label_values(&self.labels()).observe(gap.as_secs_f64());
+                self.gaps_ms.push(ms(gap));
+            }
+        }
+        self.last_token = Some(now);
+        self.output_tokens += 1;
+    }
+
+    pub fn prefilled(&mut self, t: PrefillTimings) {
+        self.prefill = Some(t);
+    }
+
+    pub fn decoded(&mut self, t: DecodeTimings) {
+        self.decode = Some(t);
+    }
+
+    /// The request finished normally with `finish_reason`.
+    pub fn finish(mut self, finish_reason: &str) {
+        self.root.set("gen_ai.response.finish_reasons", finish_reason.to_string());
+        self.end("ok", Some(finish_reason), None);
+    }
+
+    /// The request failed with `error` (before or after its first token).
+    pub fn fail(mut self, error: &RouterError) {
+        if self.first_token.is_none() {
+            self.metrics.rejected.with_label_values(&[error.reason()]).inc();
+        }
+        self.root.error(error.to_string());
+        self.end("error", None, Some(error));
+    }
+
+    fn end(&mut self, outcome: &str, finish_reason: Option<&str>, error: Option<&RouterError>) {
+        if self.ended {
+            return;
+        }
+        self.ended = true;
+        let now = Instant::now();
+        let e2e_ms = ms(now - self.arrived);
+        if outcome == "ok" {
+            self.metrics.e2e.with_label_values(&self.labels()).observe(e2e_ms / 1e3);
+        }
+        self.metrics.requests.with_label_values(&[self.class.as_str(), outcome]).inc();
+        let mut gaps = self.gaps_ms.clone();
+        gaps.sort_by(f64::total_cmp);
+        let ttft_ms = self.first_token.map(|t| ms(t - self.arrived));
+        let (p, d) = (self.prefill, self.decode);
+        self.root.set("gen_ai.usage.output_tokens", self.output_tokens as i64);
+        self.root.set("pd.outcome", outcome.to_string());
+        if let Some(t) = ttft_ms {
+            self.root.set("pd.ttft_ms", t);
+        }
+        tracing::info!(
+            target: "pd_request",
+            request_id = %self.request_id,
+            class = self.class.as_str(),
+            input_tokens = self.input_tokens,
+            output_tokens = self.output_tokens,
+            queue_ms = p.map(|p| p.queue_ms),
+            prefill_ms = p.map(|p| p.prefill_ms),
+            kv_transfer_ms = d.map(|d| d.kv_transfer_ms),
+            kv_bytes = d.map(|d| d.kv_bytes),
+            ttft_ms,
+            decode_ms = d.map(|d| d.decode_ms),
+            itl_p50_ms = percentile(&gaps, 0.50),
+            itl_p95_ms = percentile(&gaps, 0.95),
+            itl_max_ms = gaps.last().copied(),
+            e2e_ms,
+            prefill_worker = %self.prefill_worker,
+            decode_worker = %self.decode_worker,
+            outcome,
+            finish_reason,
+            error = error.map(|e| e.to_string()),
+            trace_id = Some(self.root.trace_id()).filter(|t| !t.is_empty()),
+            "request finished"
+        );
+        self.root.event("request.end", vec![KeyValue::new("pd.outcome", outcome.to_string())]);
+    }
+}
+
+impl Drop for RequestRecord {
+    fn drop(&mut self) {
+        // The client went away before the end: its stream was cancelled.
+        self.end("cancelled", None, None);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::percentile;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 0.5), Some(50.0));
+        assert_eq!(percentile(&v, 0.95), Some(95.0));
+        assert_eq!(percentile(&v, 1.0), Some(100.0));
+        assert_eq!(percentile(&[7.0], 0.95), Some(7.0));
+        assert_eq!(percentile(&[1.0, 2.0, 3.0], 0.5), Some(2.0));
+        assert_eq!(percentile(&[], 0.5), None);
+    }
+}

@@ -1,0 +1,269 @@
+//! Prometheus metrics with DESIGN.md's names and vLLM's meanings, one registry per process.
+//!
+//! Each process registers only what it measures (`RouterMetrics`, `PrefillMetrics`,
+//! `DecodeMetrics`), so a gauge that drives autoscaling never shows a misleading zero from a
+//! process that does not own it. Histograms are classic Prometheus histograms (aggregatable
+//! across pods) with buckets from 1 ms to 5 min. Latency histograms carry the labels
+//! `class` (traffic class, from the request) and `input_bucket` (prompt length range).
+
+use std::sync::Mutex;
+
+use prometheus::{Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry, TextEncoder};
+
+/// Histogram buckets in seconds: milliseconds to minutes.
+pub const LATENCY_BUCKETS: &[f64] =
+    &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
+
+/// Metric names (DESIGN.md, Observability). Autoscalers and dashboards use these.
+pub mod names {
+    pub const TTFT: &str = "pd_time_to_first_token_seconds";
+    pub const ITL: &str = "pd_inter_token_latency_seconds";
+    pub const E2E: &str = "pd_e2e_request_latency_seconds";
+    pub const QUEUE_TIME: &str = "pd_request_queue_time_seconds";
+    pub const PREFILL_TIME: &str = "pd_request_prefill_time_seconds";
+    pub const KV_TRANSFER_TIME: &str = "pd_kv_transfer_time_seconds";
+    pub const KV_TRANSFER_BYTES: &str = "pd_kv_transfer_bytes_total";
+    pub const DECODE_TIME: &str = "pd_request_decode_time_seconds";
+    pub const WAITING_PREFILL_TOKENS: &str = "pd_waiting_prefill_tokens";
+    pub const RUNNING_DECODE_SEQUENCES: &str = "pd_running_decode_sequences";
+    pub const KV_CACHE_USAGE: &str = "pd_kv_cache_usage_ratio";
+    pub const QUEUE_OLDEST_AGE: &str = "pd_queue_oldest_age_seconds";
+    pub const PREEMPTIONS: &str = "pd_preemptions_total";
+    pub const REJECTED: &str = "pd_requests_rejected_total";
+    pub const MIGRATIONS: &str = "pd_migrations_total";
+    pub const REQUESTS: &str = "pd_requests_total";
+}
+
+/// Upper bounds of the input-length buckets, in prompt tokens.
+const INPUT_BUCKETS: &[(usize, &str)] = &[(128, "1-128"), (512, "129-512"), (2048, "513-2048"), (8192, "2049-8192")];
+
+/// The `input_bucket` label of a prompt of `tokens` tokens.
+pub fn input_bucket(tokens: usize) -> &'static str {
+    INPUT_BUCKETS.iter().find(|(max, _)| tokens <= *max).map(|(_, l)| *l).unwrap_or("8193+")
+}
+
+/// A request's traffic class (`x-pd-class` header or metadata): 1 to 32 characters of
+/// `a-z 0-9 _ -`, so label cardinality stays bounded by what operators name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestClass(String);
+
+impl RequestClass {
+    /// The header and metadata key that carries the class.
+    pub const HEADER: &'static str = "x-pd-class";
+
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let ok = (1..=32).contains(&s.len())
+            && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
+        if ok {
+            Ok(RequestClass(s.to_string()))
+        } else {
+            Err(format!("class `{}` must be 1-32 characters of a-z, 0-9, `_` and `-`", s.chars().take(40).collect::<String>()))
+        }
+    }
+
+    /// The class in a worker request's metadata (the router checked it; default otherwise).
+    pub fn from_metadata(metadata: &tonic::metadata::MetadataMap) -> Self {
+        metadata
+            .get(Self::HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|s| Self::parse(s).ok())
+            .unwrap_or_else(Self::default_class)
+    }
+
+    /// The class of a request that names none.
+    pub fn default_class() -> Self {
+        RequestClass("default".into())
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+type ScrapeHook = Box<dyn Fn() + Send + Sync>;
+
+/// One process's registry.
+pub struct Metrics {
+    registry: Registry,
+    hooks: Mutex<Vec<ScrapeHook>>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+// Registering a well-formed, unique metric cannot fail; the names are constants above.
+#[allow(clippy::expect_used)]
+impl Metrics {
+    pub fn new() -> Self {
+        Metrics { registry: Registry::new(), hooks: Mutex::new(Vec::new()) }
+    }
+
+    pub fn histogram(&self, name: &str, help: &str, labels: &[&str]) -> HistogramVec {
+        let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()), labels)
+            .expect("valid histogram");
+        self.registry.register(Box::new(h.clone())).expect("unique metric name");
+        h
+    }
+
+    pub fn counter_vec(&self, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+        let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid counter");
+        self.registry.register(Box::new(c.clone())).expect("unique metric name");
+        c
+    }
+
+    pub fn counter(&self, name: &str, help: &str) -> IntCounter {
+        let c = IntCounter::new(name, help).expect("valid counter");
+        self.registry.register(Box::new(c.clone())).expect("unique metric name");
+        c
+    }
+
+    pub fn gauge(&self, name: &str, help: &str) -> Gauge {
+        let g = Gauge::new(name, help).expect("valid gauge");
+        self.registry.register(Box::new(g.clone())).expect("unique metric name");
+        g
+    }
+
+    /// Runs `hook` before every scrape (for gauges read from live state).
+    pub fn on_scrape(&self, hook: impl Fn() + Send + Sync + 'static) {
+        if let Ok(mut hooks) = self.hooks.lock() {
+            hooks.push(Box::new(hook));
+        }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        if let Ok(hooks) = self.hooks.lock() {
+            hooks.iter().for_each(|h| h());
+        }
+        let mut out = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+const STAGE_LABELS: &[&str] = &["class", "input_bucket"];
+
+/// What the router measures: latency as the client sees it.
+#[derive(Debug, Clone)]
+pub struct RouterMetrics {
+    pub ttft: HistogramVec,
+    pub itl: HistogramVec,
+    pub e2e: HistogramVec,
+    pub requests: IntCounterVec,
+    pub rejected: IntCounterVec,
+    pub migrations: IntCounter,
+}
+
+impl RouterMetrics {
+    pub fn register(m: &Metrics) -> Self {
+        RouterMetrics {
+            ttft: m.histogram(names::TTFT, "Request arrival to the first token sent to the client.", STAGE_LABELS),
+            itl: m.histogram(names::ITL, "Every gap between consecutive tokens sent to a client.", STAGE_LABELS),
+            e2e: m.histogram(names::E2E, "Request arrival to its last token.", STAGE_LABELS),
+            requests: m.counter_vec(names::REQUESTS, "Finished requests by outcome.", &["class", "outcome"]),
+            rejected: m.counter_vec(names::REJECTED, "Requests refused before generating, by reason.", &["reason"]),
+            migrations: m.counter(names::MIGRATIONS, "Requests whose prefill moved to another worker after a failure."),
+        }
+    }
+}
+
+/// What a prefill worker measures.
+#[derive(Debug, Clone)]
+pub struct PrefillMetrics {
+    pub queue_time: HistogramVec,
+    pub prefill_time: HistogramVec,
+    pub kv_transfer_bytes: IntCounter,
+    pub waiting_tokens: Gauge,
+    pub oldest_age: Gauge,
+    pub rejected: IntCounterVec,
+}
+
+impl PrefillMetrics {
+    pub fn register(m: &Metrics) -> Self {
+        PrefillMetrics {
+            queue_time: m.histogram(names::QUEUE_TIME, "Prefill request arrival to the start of its compute.", STAGE_LABELS),
+            prefill_time: m.histogram(names::PREFILL_TIME, "Prefill compute, first chunk to last layer.", STAGE_LABELS),
+            kv_transfer_bytes: m.counter(names::KV_TRANSFER_BYTES, "KV bytes sent to decode workers and committed."),
+            waiting_tokens: m.gauge(names::WAITING_PREFILL_TOKENS, "Prompt tokens of queued and running prefills."),
+            oldest_age: m.gauge(names::QUEUE_OLDEST_AGE, "Age of the oldest prefill still waiting to start (0 when none)."),
+            rejected: m.counter_vec(names::REJECTED, "Prefill requests refused, by reason.", &["reason"]),
+        }
+    }
+}
+
+/// What a decode worker measures.
+#[derive(Debug, Clone)]
+pub struct DecodeMetrics {
+    pub kv_transfer_time: HistogramVec,
+    pub kv_transfer_bytes: IntCounter,
+    pub decode_time: HistogramVec,
+    pub running: Gauge,
+    pub kv_usage: Gauge,
+    pub preemptions: IntCounter,
+    pub rejected: IntCounterVec,
+}
+
+impl DecodeMetrics {
+    pub fn register(m: &Metrics) -> Self {
+        DecodeMetrics {
+            kv_transfer_time: m.histogram(names::KV_TRANSFER_TIME, "KV receive, header accepted to commit.", STAGE_LABELS),
+            kv_transfer_bytes: m.counter(names::KV_TRANSFER_BYTES, "KV bytes received and committed."),
+            decode_time: m.histogram(names::DECODE_TIME, "First token to last token on the decode worker.", STAGE_LABELS),
+            running: m.gauge(names::RUNNING_DECODE_SEQUENCES, "Sequences in the running decode batch."),
+            kv_usage: m.gauge(names::KV_CACHE_USAGE, "Used KV blocks / all KV blocks (reservations included)."),
+            // Whole outputs are reserved at admission, so nothing is ever preempted; the
+            // counter is exported so dashboards and alerts can rely on it.
+            preemptions: m.counter(names::PREEMPTIONS, "Sequences preempted to free KV blocks."),
+            rejected: m.counter_vec(names::REJECTED, "Decode requests refused, by reason.", &["reason"]),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn input_buckets_cover_every_length() {
+        assert_eq!(input_bucket(1), "1-128");
+        assert_eq!(input_bucket(128), "1-128");
+        assert_eq!(input_bucket(129), "129-512");
+        assert_eq!(input_bucket(2048), "513-2048");
+        assert_eq!(input_bucket(2049), "2049-8192");
+        assert_eq!(input_bucket(100_000), "8193+");
+    }
+
+    #[test]
+    fn classes_are_bounded() {
+        assert!(RequestClass::parse("interactive").is_ok());
+        assert!(RequestClass::parse("batch-document_2").is_ok());
+        for bad in ["", "Interactive", "a b", "x".repeat(33).as_str(), "é"] {
+            let err = RequestClass::parse(bad).expect_err("bad class");
+            assert!(err.contains("class"), "{err}");
+        }
+    }
+
+    #[test]
+    fn render_has_histograms_with_labels_and_scrape_hooks_run() {
+        let m = Metrics::new();
+        let r = RouterMetrics::register(&m);
+        r.ttft.with_label_values(&["interactive", "1-128"]).observe(0.2);
+        let g = m.gauge("pd_test_gauge", "test");
+        let g2 = g.clone();
+        m.on_scrape(move || g2.set(7.0));
+        let text = m.render();
+        assert!(text.contains("pd_time_to_first_token_seconds_bucket{class=\"interactive\",input_bucket=\"1-128\",le=\"0.25\"} 1"), "{text}");
+        assert!(text.contains("pd_time_to_first_token_seconds_count{class=\"interactive\",input_bucket=\"1-128\"} 1"));
+        assert!(text.contains("pd_test_gauge 7"));
+        assert!(text.contains("le=\"300\""));
+    }
+}
