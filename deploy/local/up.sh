@@ -7,7 +7,10 @@
 #   deploy/local/up.sh          # serve until Ctrl-C
 #   deploy/local/up.sh --demo   # also stream one chat answer once ready
 #
-# Environment: PD_HTTP_PORT (8080), PD_GRPC_PORT (50051), PD_MODEL (the fetched model).
+# Environment: PD_HTTP_PORT (8080), PD_GRPC_PORT (50051), PD_DECODE_METRICS_PORT (9091),
+# PD_PREFILL_METRICS_PORT (9092), PD_MODEL (the fetched model), and the OpenTelemetry
+# variables (OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317 with
+# deploy/observability/compose.yaml running sends every request's trace to Jaeger).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
@@ -15,6 +18,8 @@ demo=false
 [[ "${1:-}" == "--demo" ]] && demo=true
 http_port="${PD_HTTP_PORT:-8080}"
 grpc_port="${PD_GRPC_PORT:-50051}"
+decode_metrics_port="${PD_DECODE_METRICS_PORT:-9091}"
+prefill_metrics_port="${PD_PREFILL_METRICS_PORT:-9092}"
 model="${PD_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 
 scripts/install-deps.sh
@@ -22,7 +27,8 @@ if [[ -z "${PD_MODEL:-}" ]]; then
     scripts/fetch-model.sh >/dev/null
 fi
 [[ -f "$model" ]] || { echo "up.sh: model $model not found" >&2; exit 1; }
-cargo build --release --quiet --bin pd-decode --bin pd-prefill --bin pd-router
+# Same features as scripts/test.sh, so one set of build artifacts serves both.
+cargo build --release --quiet --workspace --bins --features pd-kv-transfer/ucx,pd-bench/ucx
 bin=target/release
 logs="$(mktemp -d)"
 pids=()
@@ -42,8 +48,9 @@ pin() { if command -v taskset >/dev/null && ((cores > 1)); then exec taskset -c 
 
 # Starts a worker on port 0 (in this shell, so `stop` knows its pid).
 start_worker() {
-    local name=$1 core=$2
-    pin "$core" "$bin/$name" --listen 127.0.0.1:0 --model "$model" --threads 1 >"$logs/$name.log" 2>&1 &
+    local name=$1 core=$2 metrics_port=$3
+    pin "$core" "$bin/$name" --listen 127.0.0.1:0 --metrics-listen "127.0.0.1:$metrics_port" \
+        --model "$model" --threads 1 >"$logs/$name.log" 2>&1 &
     pids+=($!)
 }
 
@@ -60,19 +67,20 @@ address_of() {
     return 1
 }
 
-start_worker pd-decode $((cores > 1 ? 1 : 0))
+start_worker pd-decode $((cores > 1 ? 1 : 0)) "$decode_metrics_port"
 decode_pid=${pids[-1]}
-start_worker pd-prefill 0
+start_worker pd-prefill 0 "$prefill_metrics_port"
 prefill_pid=${pids[-1]}
 decode=$(address_of pd-decode "$decode_pid")
 prefill=$(address_of pd-prefill "$prefill_pid")
 "$bin/pd-router" --http-listen "127.0.0.1:$http_port" --grpc-listen "127.0.0.1:$grpc_port" \
-    --prefill "$prefill" --decode "$decode" --model "$model" >"$logs/pd-router.log" 2>&1 &
+    --prefill "$prefill" --decode "$decode" --model "$model" --drain-delay-ms 0 >"$logs/pd-router.log" 2>&1 &
 pids+=($!)
 
 for _ in $(seq 1 600); do
     if curl -sf "http://127.0.0.1:$http_port/ready" >/dev/null 2>&1; then
         echo "pd local cluster ready: http://127.0.0.1:$http_port (OpenAI API), grpc 127.0.0.1:$grpc_port; decode $decode, prefill $prefill"
+        echo "metrics: http://127.0.0.1:$http_port/metrics (router), :$decode_metrics_port/metrics (decode), :$prefill_metrics_port/metrics (prefill); logs in $logs"
         break
     fi
     for pid in "${pids[@]}"; do
