@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/install-deps.sh
+scripts/install-k8s-tools.sh
 scripts/fetch-model.sh
 # Tests and local runs keep UCX on loopback (the code sets these too; this covers child tools).
 export UCX_NET_DEVICES=lo UCX_TLS="${UCX_TLS:-posix,sysv,cma,tcp}"

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use pd_engine::{set_compute_threads, CacheConfig, LoadOptions, WeightFormat, WireDType};
+use pd_engine::{set_compute_threads, CacheConfig, DeviceKind, LoadOptions, WeightFormat, WireDType};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -48,32 +48,49 @@ struct Args {
     /// Log lines: human or json.
     #[arg(long, env = "PD_LOG_FORMAT", default_value = "human")]
     log_format: pd_telemetry::LogFormat,
+    /// Where the model runs: cpu, cuda or cuda:N (CUDA needs a build with the `cuda` feature).
+    #[arg(long, env = "PD_DEVICE", default_value = "cpu")]
+    device: DeviceKind,
+    /// Check the flags and environment, print the settings and exit (loads nothing, opens
+    /// no socket): for deployment checks.
+    #[arg(long)]
+    check_config: bool,
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let config = config(&args)?;
+    if args.check_config {
+        println!("pd-decode config ok: {config:?}");
+        return Ok(());
+    }
     // Before any other thread exists: the compute pools read this once.
     set_compute_threads(args.threads)?;
-    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(serve(args))
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(serve(args, config))
 }
 
-async fn serve(args: Args) -> anyhow::Result<()> {
-    let telemetry = pd_telemetry::init("pd-decode", args.log_format, "decode", &pd_telemetry::instance_name());
+fn config(args: &Args) -> anyhow::Result<pd_decode::Config> {
     let kv_dtype = match args.kv_dtype.as_str() {
         "f16" => WireDType::F16,
         "f32" => WireDType::F32,
         other => anyhow::bail!("--kv-dtype `{other}` is not f16 or f32"),
     };
     let config = pd_decode::Config {
-        model: args.model,
-        load: LoadOptions { weights: args.weights, ..LoadOptions::default() },
+        model: args.model.clone(),
+        load: LoadOptions { weights: args.weights, device: args.device, ..LoadOptions::default() },
         cache: CacheConfig::with_blocks(args.kv_blocks),
         kv_dtype,
         lease: Duration::from_millis(args.lease_ms),
-        advertise: args.advertise,
+        advertise: args.advertise.clone(),
         max_batch: args.max_batch,
         grace: Duration::from_millis(args.grace_ms),
     };
+    config.cache.validate()?;
+    Ok(config)
+}
+
+async fn serve(args: Args, config: pd_decode::Config) -> anyhow::Result<()> {
+    let telemetry = pd_telemetry::init("pd-decode", args.log_format, "decode", &pd_telemetry::instance_name());
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
     let http = tokio::net::TcpListener::bind(&args.metrics_listen).await?;
     // The lines launchers and tests wait for.

@@ -109,6 +109,23 @@ impl DeviceKind {
     }
 }
 
+impl std::str::FromStr for DeviceKind {
+    type Err = EngineError;
+
+    /// `cpu`, `cuda` (device 0) or `cuda:N`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "cpu" => Ok(DeviceKind::Cpu),
+            "cuda" => Ok(DeviceKind::Cuda(0)),
+            other => other
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(DeviceKind::Cuda)
+                .ok_or_else(|| EngineError::Config(format!("device `{other}` is not cpu, cuda or cuda:N"))),
+        }
+    }
+}
+
 /// How weights are kept in memory after loading.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightFormat {

@@ -4,14 +4,14 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use pd_engine::{set_compute_threads, CacheConfig, LoadOptions, WeightFormat};
+use pd_engine::{set_compute_threads, CacheConfig, DeviceKind, LoadOptions, WeightFormat};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// pd prefill worker.
 #[derive(Debug, Parser)]
-pub struct Args {
+struct Args {
     /// Address to listen on (PrefillWorker service).
     #[arg(long, env = "PD_PREFILL_LISTEN", default_value = "127.0.0.1:0")]
     listen: String,
@@ -42,25 +42,43 @@ pub struct Args {
     /// Log lines: human or json.
     #[arg(long, env = "PD_LOG_FORMAT", default_value = "human")]
     log_format: pd_telemetry::LogFormat,
+    /// Where the model runs: cpu, cuda or cuda:N (CUDA needs a build with the `cuda` feature).
+    #[arg(long, env = "PD_DEVICE", default_value = "cpu")]
+    device: DeviceKind,
+    /// Check the flags and environment, print the settings and exit (loads nothing, opens
+    /// no socket): for deployment checks.
+    #[arg(long)]
+    check_config: bool,
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let config = config(&args)?;
+    if args.check_config {
+        println!("pd-prefill config ok: {config:?}");
+        return Ok(());
+    }
     // Before any other thread exists: the compute pools read this once.
     set_compute_threads(args.threads)?;
-    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(serve(args))
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(serve(args, config))
 }
 
-async fn serve(args: Args) -> anyhow::Result<()> {
-    let telemetry = pd_telemetry::init("pd-prefill", args.log_format, "prefill", &pd_telemetry::instance_name());
+fn config(args: &Args) -> anyhow::Result<pd_prefill::Config> {
+    anyhow::ensure!(args.chunk > 0, "--chunk must be at least 1");
     let config = pd_prefill::Config {
-        model: args.model,
-        load: LoadOptions { weights: args.weights, ..LoadOptions::default() },
+        model: args.model.clone(),
+        load: LoadOptions { weights: args.weights, device: args.device, ..LoadOptions::default() },
         cache: CacheConfig::with_blocks(args.kv_blocks),
         chunk: args.chunk,
         kv_timeout: Duration::from_millis(args.kv_timeout_ms),
         grace: Duration::from_millis(args.grace_ms),
     };
+    config.cache.validate()?;
+    Ok(config)
+}
+
+async fn serve(args: Args, config: pd_prefill::Config) -> anyhow::Result<()> {
+    let telemetry = pd_telemetry::init("pd-prefill", args.log_format, "prefill", &pd_telemetry::instance_name());
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
     let http = tokio::net::TcpListener::bind(&args.metrics_listen).await?;
     // The lines launchers and tests wait for.

@@ -40,12 +40,15 @@ struct Args {
     /// Log lines: human or json.
     #[arg(long, env = "PD_LOG_FORMAT", default_value = "human")]
     log_format: pd_telemetry::LogFormat,
+    /// Check the flags and environment, print the settings and exit (loads nothing, opens
+    /// no socket): for deployment checks.
+    #[arg(long)]
+    check_config: bool,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let telemetry = pd_telemetry::init("pd-router", args.log_format, "router", &pd_telemetry::instance_name());
     let config = pd_router::Config {
         model: args.model,
         model_name: args.model_name,
@@ -55,6 +58,11 @@ async fn main() -> anyhow::Result<()> {
         body_limit: args.body_limit,
         drain_delay: std::time::Duration::from_millis(args.drain_delay_ms),
     };
+    if args.check_config {
+        println!("pd-router config ok: {config:?}");
+        return Ok(());
+    }
+    let telemetry = pd_telemetry::init("pd-router", args.log_format, "router", &pd_telemetry::instance_name());
     let http = tokio::net::TcpListener::bind(&args.http_listen).await?;
     let grpc = tokio::net::TcpListener::bind(&args.grpc_listen).await?;
     println!("pd-router http on {} grpc on {}", http.local_addr()?, grpc.local_addr()?);

@@ -1,0 +1,264 @@
+//! The Kubernetes manifests agree with the binaries: every overlay renders with
+//! `kubectl kustomize` and passes `kubernetes-validate --strict` (Kubernetes 1.32); every pd
+//! container's args and environment are accepted by that binary's own flag parser
+//! (`--check-config`); probe paths are served by the running binary on the port the probe
+//! names; the router's worker lists name the headless services of the worker pools; and the
+//! metrics the autoscalers query are ones the binaries export.
+//!
+//! Needs kubectl and kubernetes-validate (scripts/install-k8s-tools.sh).
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use pd_tests::Cluster;
+use serde_json::Value;
+
+const OVERLAYS: [&str; 2] = ["cpu-dev", "gpu"];
+const KUBERNETES_VERSION: &str = "1.32.0";
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn run(cmd: &mut Command, what: &str) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e} (run scripts/install-k8s-tools.sh)"));
+    assert!(out.status.success(), "{what} failed:\n{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Renders `overlay`, validates it and returns its objects.
+fn render(overlay: &str) -> Vec<Value> {
+    let dir = repo().join("deploy/k8s/overlays").join(overlay);
+    let yaml = run(Command::new("kubectl").arg("kustomize").arg(&dir), &format!("kubectl kustomize {overlay}"));
+    let file = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(file.path(), &yaml).expect("write render");
+    let report = run(
+        Command::new("kubernetes-validate").args(["-k", KUBERNETES_VERSION, "--strict", "--quiet"]).arg(file.path()),
+        &format!("kubernetes-validate {overlay}"),
+    );
+    assert!(!report.contains("ERROR"), "{overlay}: {report}");
+    let json = run(
+        Command::new("python3")
+            .args(["-c", "import json, sys, yaml; print(json.dumps([d for d in yaml.safe_load_all(open(sys.argv[1])) if d]))"])
+            .arg(file.path()),
+        "yaml to json",
+    );
+    serde_json::from_str(&json).expect("render as json")
+}
+
+fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+/// The port of a `host:port` listen flag in `args` (`--flag=value` form).
+fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    args.iter().find_map(|a| a.strip_prefix(&format!("--{name}=")))
+}
+
+fn port_of(addr: &str) -> u16 {
+    addr.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("no port in {addr}"))
+}
+
+/// A pd container of a Deployment, as the kubelet would start it.
+struct PdContainer {
+    deployment: String,
+    binary: String,
+    args: Vec<String>,
+    env: HashMap<String, String>,
+    container: Value,
+    pod: Value,
+}
+
+fn pd_containers(objects: &[Value]) -> Vec<PdContainer> {
+    let config = &find(objects, "ConfigMap", "pd-config")["data"];
+    let mut out = Vec::new();
+    for d in objects.iter().filter(|o| o["kind"] == "Deployment") {
+        let pod = &d["spec"]["template"]["spec"];
+        for c in pod["containers"].as_array().into_iter().flatten() {
+            let Some(binary) = c["command"][0].as_str().filter(|b| b.starts_with("pd-")) else { continue };
+            let mut env = HashMap::new();
+            for from in c["envFrom"].as_array().into_iter().flatten() {
+                assert_eq!(from["configMapRef"]["name"], "pd-config", "envFrom names an unknown ConfigMap");
+                for (k, v) in config.as_object().into_iter().flatten() {
+                    env.insert(k.clone(), v.as_str().unwrap_or_default().to_string());
+                }
+            }
+            for e in c["env"].as_array().into_iter().flatten() {
+                let name = e["name"].as_str().unwrap_or_default().to_string();
+                let value = match (&e["value"], &e["valueFrom"]["fieldRef"]["fieldPath"]) {
+                    (Value::String(v), _) => v.clone(),
+                    (_, Value::String(path)) if path == "status.podIP" => "10.1.2.3".into(),
+                    (_, Value::String(path)) if path == "metadata.name" => "pod-0".into(),
+                    other => panic!("unsupported env source {other:?}"),
+                };
+                env.insert(name, value);
+            }
+            // The kubelet expands $(VAR) in args from the container's environment.
+            let args = c["args"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|a| {
+                    let mut a = a.as_str().expect("string arg").to_string();
+                    for (k, v) in &env {
+                        a = a.replace(&format!("$({k})"), v);
+                    }
+                    assert!(!a.contains("$("), "unexpanded variable in {a}");
+                    a
+                })
+                .collect();
+            out.push(PdContainer {
+                deployment: d["metadata"]["name"].as_str().unwrap_or_default().to_string(),
+                binary: binary.to_string(),
+                args,
+                env,
+                container: c.clone(),
+                pod: pod.clone(),
+            });
+        }
+    }
+    let binaries: BTreeSet<&str> = out.iter().map(|c| c.binary.as_str()).collect();
+    assert_eq!(binaries, BTreeSet::from(["pd-decode", "pd-prefill", "pd-router"]));
+    out
+}
+
+fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    exe.parent().and_then(Path::parent).expect("target dir").join(name)
+}
+
+/// The port a probe or annotation names, resolved through the container's named ports.
+fn resolve_port(container: &Value, port: &Value) -> u16 {
+    match port {
+        Value::Number(n) => n.as_u64().expect("port") as u16,
+        Value::String(s) => s.parse().unwrap_or_else(|_| {
+            container["ports"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|p| p["name"] == s.as_str())
+                .and_then(|p| p["containerPort"].as_u64())
+                .unwrap_or_else(|| panic!("no container port named {s}")) as u16
+        }),
+        other => panic!("bad port {other}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manifests_agree_with_the_binaries() {
+    // The real binaries, for the paths and metrics they serve.
+    let cluster = Cluster::start(1).await;
+    let served = HashMap::from([
+        ("pd-router", cluster.http.clone()),
+        ("pd-prefill", cluster.prefill_metrics[0].clone()),
+        ("pd-decode", cluster.decode_metrics.clone()),
+    ]);
+    let mut exported: HashMap<&str, String> = HashMap::new();
+    for (bin, addr) in &served {
+        exported.insert(bin, Cluster::scrape(addr).await);
+    }
+
+    for overlay in OVERLAYS {
+        let objects = render(overlay);
+        let containers = pd_containers(&objects);
+        for c in &containers {
+            let what = format!("{overlay}/{}", c.deployment);
+            // 1. The binary's own parser accepts the args and environment.
+            let out = Command::new(binary(&c.binary))
+                .args(&c.args)
+                .arg("--check-config")
+                .env_clear()
+                .envs(&c.env)
+                .stdin(Stdio::null())
+                .output()
+                .expect("run binary");
+            assert!(
+                out.status.success(),
+                "{what}: {} rejects its manifest args {:?}:\n{}",
+                c.binary,
+                c.args,
+                String::from_utf8_lossy(&out.stderr)
+            );
+            // 2. Probes: on the binary's HTTP port, on paths it serves.
+            let http_flag = if c.binary == "pd-router" { "http-listen" } else { "metrics-listen" };
+            let http_port = port_of(flag(&c.args, http_flag).unwrap_or_else(|| panic!("{what}: no --{http_flag}")));
+            for probe in ["startupProbe", "readinessProbe", "livenessProbe"] {
+                let get = &c.container[probe]["httpGet"];
+                assert!(get.is_object(), "{what}: {probe} must be an HTTP probe");
+                assert_eq!(resolve_port(&c.container, &get["port"]), http_port, "{what}: {probe} port");
+                let path = get["path"].as_str().expect("probe path");
+                let status = reqwest::get(format!("http://{}{path}", served[c.binary.as_str()])).await.expect("probe").status();
+                assert!(status.as_u16() == 200 || (path == "/ready" && status.as_u16() == 503), "{what}: {path} answered {status}");
+            }
+            let annotations = &objects
+                .iter()
+                .find(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == c.deployment.as_str())
+                .expect("deployment")["spec"]["template"]["metadata"]["annotations"];
+            assert_eq!(annotations["prometheus.io/port"].as_str().map(|p| p.parse::<u16>().ok()), Some(Some(http_port)), "{what}: scrape port");
+            assert_eq!(annotations["prometheus.io/path"], "/metrics");
+            // 3. Graceful shutdown fits in the termination grace period.
+            let pre_stop: u64 = c.container["lifecycle"]["preStop"]["exec"]["command"][1]
+                .as_str()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or_else(|| panic!("{what}: preStop must be `sleep N`"));
+            let drain_ms: u64 = match c.binary.as_str() {
+                "pd-router" => flag(&c.args, "drain-delay-ms").and_then(|v| v.parse().ok()).unwrap_or(5_000),
+                _ => flag(&c.args, "grace-ms").and_then(|v| v.parse().ok()).unwrap_or(30_000),
+            };
+            let period = c.pod["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
+            assert!(period > pre_stop + drain_ms / 1000, "{what}: terminationGracePeriodSeconds {period} < preStop {pre_stop} s + drain {drain_ms} ms");
+        }
+        // 4. The router's worker lists name the headless services of the pools, on the port
+        //    the workers listen on, selecting the workers' pods.
+        let router = containers.iter().find(|c| c.binary == "pd-router").expect("router");
+        for (var, pool) in [("PD_PREFILL_WORKERS", "pd-prefill"), ("PD_DECODE_WORKERS", "pd-decode")] {
+            let spec = router.env.get(var).unwrap_or_else(|| panic!("{overlay}: router has no {var}"));
+            let (host, port) = spec.rsplit_once(':').expect("host:port");
+            let service = find(&objects, "Service", host);
+            assert_eq!(service["spec"]["clusterIP"], "None", "{overlay}: {host} must be headless");
+            let worker = containers.iter().find(|c| c.binary == pool).expect("worker");
+            assert_eq!(port_of(flag(&worker.args, "listen").expect("--listen")), port.parse::<u16>().expect("port"), "{overlay}: {var} port");
+            assert!(service["spec"]["ports"].as_array().into_iter().flatten().any(|p| p["port"].as_u64() == port.parse().ok()));
+            let labels = &find(&objects, "Deployment", &worker.deployment)["spec"]["template"]["metadata"]["labels"];
+            for (k, v) in service["spec"]["selector"].as_object().expect("selector") {
+                assert_eq!(&labels[k], v, "{overlay}: {host} selects the {pool} pods");
+            }
+        }
+        // 5. Autoscalers: one per pool, on metrics that pool's binary exports.
+        let scaled: Vec<&Value> = objects.iter().filter(|o| o["kind"] == "ScaledObject").collect();
+        assert_eq!(scaled.len(), 3, "{overlay}: a ScaledObject per pool");
+        for so in scaled {
+            assert_eq!(so["apiVersion"], "keda.sh/v1alpha1");
+            let target = so["spec"]["scaleTargetRef"]["name"].as_str().expect("target");
+            let c = containers.iter().find(|c| c.deployment == target).unwrap_or_else(|| panic!("{target} is not a pd Deployment"));
+            let (min, max) = (so["spec"]["minReplicaCount"].as_u64().expect("min"), so["spec"]["maxReplicaCount"].as_u64().expect("max"));
+            assert!(min >= 1 && min <= max, "{overlay}/{target}: replicas {min}..{max}");
+            for trigger in so["spec"]["triggers"].as_array().expect("triggers") {
+                match trigger["type"].as_str() {
+                    Some("prometheus") => {
+                        let query = trigger["metadata"]["query"].as_str().expect("query");
+                        assert!(trigger["metadata"]["threshold"].as_str().and_then(|t| t.parse::<f64>().ok()).is_some());
+                        let names: Vec<&str> = query
+                            .split(|ch: char| !(ch.is_ascii_alphanumeric() || ch == '_'))
+                            .filter(|w| w.starts_with("pd_"))
+                            .collect();
+                        assert!(!names.is_empty(), "{query} uses no pd metric");
+                        for name in names {
+                            let text = &exported[c.binary.as_str()];
+                            assert!(text.lines().any(|l| l.starts_with(&format!("# TYPE {name} "))), "{overlay}/{target}: {name} is not exported by {}", c.binary);
+                        }
+                    }
+                    Some("cpu") => {
+                        let cpu = &c.container["resources"]["requests"]["cpu"];
+                        assert!(!cpu.is_null(), "{overlay}/{target}: a cpu trigger needs a cpu request");
+                    }
+                    other => panic!("{overlay}/{target}: unexpected trigger {other:?}"),
+                }
+            }
+        }
+    }
+}
