@@ -99,8 +99,8 @@ pub fn validate(kind: Kind, body: &[u8], text: &TextSide, served_model: &str, li
         Some(_) => return Err(RouterError::invalid("model", "`model` must be a string")),
     };
     let known: &[&str] = match kind {
-        Kind::Completion => &["model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n"],
-        Kind::Chat => &["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n"],
+        Kind::Completion => &["model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "ignore_eos"],
+        Kind::Chat => &["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "ignore_eos"],
     };
     if let Some(field) = body.keys().find(|k| !known.contains(&k.as_str()) && !IGNORED.contains(&k.as_str())) {
         return Err(RouterError::invalid(field, format!("`{field}` is not supported by this server")));
@@ -201,7 +201,8 @@ pub fn validate(kind: Kind, body: &[u8], text: &TextSide, served_model: &str, li
             max_tokens,
             stop_token_ids: Vec::new(),
             stop: stop_list(&body)?,
-            ignore_eos: false,
+            // vLLM's extension: generate exactly max_tokens (benchmarks need fixed lengths).
+            ignore_eos: boolean(&body, "ignore_eos")?,
         },
         stream,
         include_usage,

@@ -35,6 +35,31 @@ pub struct Proc {
 }
 
 impl Proc {
+    /// Sends SIGTERM (what Kubernetes sends to stop a pod).
+    pub fn terminate(&self) {
+        let status = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().expect("kill");
+        assert!(status.success(), "kill -TERM {}", self.name);
+    }
+
+    /// The exit status if the process ended within `timeout`.
+    pub async fn exited(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// True while the process runs.
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
     /// Kills the process now (SIGKILL).
     pub fn kill(&mut self) {
         let _ = self.child.kill();
