@@ -77,7 +77,7 @@ fn config(args: &Args) -> anyhow::Result<pd_decode::Config> {
     };
     let config = pd_decode::Config {
         model: args.model.clone(),
-        load: LoadOptions { weights: args.weights, device: args.device, ..LoadOptions::default() },
+        load: LoadOptions { weights: args.weights, device: args.device },
         cache: CacheConfig::with_blocks(args.kv_blocks),
         kv_dtype,
         lease: Duration::from_millis(args.lease_ms),

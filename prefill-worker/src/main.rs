@@ -67,7 +67,7 @@ fn config(args: &Args) -> anyhow::Result<pd_prefill::Config> {
     anyhow::ensure!(args.chunk > 0, "--chunk must be at least 1");
     let config = pd_prefill::Config {
         model: args.model.clone(),
-        load: LoadOptions { weights: args.weights, device: args.device, ..LoadOptions::default() },
+        load: LoadOptions { weights: args.weights, device: args.device },
         cache: CacheConfig::with_blocks(args.kv_blocks),
         chunk: args.chunk,
         kv_timeout: Duration::from_millis(args.kv_timeout_ms),
