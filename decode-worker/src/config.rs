@@ -20,6 +20,8 @@ pub struct Config {
     pub advertise: Option<String>,
     /// Most sequences in one decode step.
     pub max_batch: usize,
+    /// How prompts prefilled here share steps with running streams.
+    pub prefill_policy: crate::batcher::PrefillPolicy,
     /// On shutdown, how long running sequences may take to finish before they are ended
     /// with UNAVAILABLE.
     pub grace: Duration,

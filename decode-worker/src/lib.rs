@@ -1,7 +1,9 @@
 //! pd-decode: the decode worker. It owns the paged KV cache, reserves blocks for each request
 //! (decode-first), receives the prompt's KV from a prefill worker (pd.v1.KvTransfer on the
 //! same port), joins the sequence into the continuously batched decode loop and streams
-//! tokens (pd.v1.DecodeWorker).
+//! tokens (pd.v1.DecodeWorker). Requests marked `prefill_here` run their prompt in the batch
+//! instead (colocated serving, and short prompts under conditional disaggregation), with
+//! chunked or naive prefill (`batcher::PrefillPolicy`).
 //!
 //! `/metrics`, `/health` and `/ready` are served on a second, HTTP port. On shutdown
 //! (SIGTERM): readiness fails and new requests are refused; running sequences (and those
@@ -52,7 +54,7 @@ pub async fn run(
     let addr = listener.local_addr()?;
     let decode_metrics = DecodeMetrics::register(&metrics);
     let service = DecodeService {
-        batcher: batcher::Batcher::start(engine.clone(), config.max_batch, decode_metrics.clone()),
+        batcher: batcher::Batcher::start(engine.clone(), config.max_batch, config.prefill_policy, decode_metrics.clone()),
         engine,
         registry: registry.clone(),
         kv_endpoint: config.advertise.clone().unwrap_or_else(|| addr.to_string()),

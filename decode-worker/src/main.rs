@@ -36,6 +36,10 @@ struct Args {
     /// Most sequences per decode step.
     #[arg(long, default_value_t = 64)]
     max_batch: usize,
+    /// Prompts prefilled here (colocated or short ones): `chunked` (256 tokens per step
+    /// shared with the decode rows), `chunked:N`, or `naive` (a whole prompt in one step).
+    #[arg(long, env = "PD_PREFILL_POLICY", default_value = "chunked")]
+    prefill_policy: pd_decode::batcher::PrefillPolicy,
     /// Compute threads.
     #[arg(long, env = "PD_THREADS", default_value_t = 1)]
     threads: usize,
@@ -83,6 +87,7 @@ fn config(args: &Args) -> anyhow::Result<pd_decode::Config> {
         lease: Duration::from_millis(args.lease_ms),
         advertise: args.advertise.clone(),
         max_batch: args.max_batch,
+        prefill_policy: args.prefill_policy,
         grace: Duration::from_millis(args.grace_ms),
     };
     config.cache.validate()?;

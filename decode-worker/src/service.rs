@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::batcher::{Admission, Batcher, Event};
+use crate::batcher::{Admission, Batcher, Event, Start};
 
 /// Shared state of the decode worker's services.
 #[derive(Debug, Clone)]
@@ -67,6 +67,45 @@ impl DecodeService {
     pub fn refresh_gauges(&self) {
         self.metrics.running.set(self.batcher.running() as f64);
         self.metrics.kv_usage.set(self.engine.blocks().usage_ratio());
+    }
+
+    /// A request whose prompt runs here, in the batch: blocks for prompt and output now, no
+    /// KV target, no transfer.
+    fn generate_here(
+        &self,
+        req: pb::DecodeRequest,
+        params: SamplingParams,
+        parent: pd_telemetry::opentelemetry::Context,
+        class: String,
+        admit: StageSpan,
+    ) -> Result<Response<UnboundedReceiverStream<Event>>, Status> {
+        let blocks = self.engine.blocks();
+        let prompt_tokens = req.prompt_tokens.len();
+        let alloc = match blocks.allocate(blocks.blocks_for(prompt_tokens + params.max_tokens)) {
+            Ok(a) => a,
+            Err(e) => return Err(self.refuse(&admit, "kv_blocks", Status::resource_exhausted(e.to_string()))),
+        };
+        admit.set("pd.request_id", req.request_id.clone());
+        admit.set("pd.prefill_here", true);
+        admit.set("pd.kv.blocks_reserved", alloc.ids().len() as i64);
+        admit.end();
+        let (tx, rx) = mpsc::unbounded_channel::<Event>();
+        let span = StageSpan::start("decode.generate", &parent);
+        span.set("pd.request_id", req.request_id.clone());
+        span.set("pd.prefill_here", true);
+        let admission = Admission {
+            kv: SequenceKv::new(alloc),
+            start: Start::Prompt(req.prompt_tokens),
+            params,
+            prompt_tokens,
+            kv_transfer_ms: 0.0,
+            kv_bytes: 0,
+            events: tx.clone(),
+            span,
+            labels: [class, input_bucket(prompt_tokens).to_string()],
+        };
+        self.batcher.admit(admission)?;
+        Ok(Response::new(UnboundedReceiverStream::new(rx)))
     }
 
     /// Checks a request; returns its sampling parameters.
@@ -134,6 +173,9 @@ impl DecodeWorker for DecodeService {
             Ok(p) => p,
             Err(status) => return Err(self.refuse(&admit, "invalid_request", status)),
         };
+        if req.prefill_here {
+            return self.generate_here(req, params, parent, class, admit);
+        }
         let total = req.prompt_tokens.len() + params.max_tokens;
         let blocks = self.engine.blocks();
         let prompt_blocks = blocks.blocks_for(req.prompt_tokens.len());
@@ -222,7 +264,7 @@ impl DecodeWorker for DecodeService {
             span.set("pd.request_id", id.clone());
             let admission = Admission {
                 kv,
-                first_token: committed.first_token,
+                start: Start::Prefilled { first_token: committed.first_token },
                 params,
                 prompt_tokens,
                 kv_transfer_ms: committed.receive_time.as_secs_f64() * 1e3,

@@ -30,8 +30,11 @@ pub struct Config {
     pub model: PathBuf,
     /// The name clients use in `model`.
     pub model_name: String,
+    /// Empty: colocated serving (decode workers prefill every prompt themselves).
     pub prefill_workers: Vec<String>,
     pub decode_workers: Vec<String>,
+    /// Prompts up to this many tokens are prefilled on the decode worker (0 = none).
+    pub local_prefill_max_tokens: usize,
     pub limits: Limits,
     /// Largest accepted request body in bytes.
     pub body_limit: usize,
@@ -67,6 +70,7 @@ pub async fn run(
         pools: Arc::new(workers::Pools {
             decode: workers::Pool::new("decode", config.decode_workers.clone()),
             prefill: workers::Pool::new("prefill", config.prefill_workers.clone()),
+            local_prefill_max_tokens: config.local_prefill_max_tokens,
         }),
         limits: config.limits.clone(),
         model_name: config.model_name.clone(),

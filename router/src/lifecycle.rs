@@ -63,18 +63,19 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
-/// The decode stream opened and the first prefill worker chosen.
+/// The decode stream opened and, unless the decode worker prefills the prompt itself, the
+/// KV target and the first prefill worker chosen.
 struct Opened {
     events: tonic::Streaming<pb::DecodeEvent>,
-    target: pb::KvTarget,
-    prefill: Picked<PrefillWorkerClient<Channel>>,
+    remote: Option<(pb::KvTarget, Picked<PrefillWorkerClient<Channel>>)>,
 }
 
 async fn open(pools: &Pools, req: &ValidRequest, record: &mut RequestRecord) -> Result<Opened, RouterError> {
     let route = StageSpan::start("router.route", record.span().context());
+    let here = pools.prefill_here(req.prompt_tokens.len());
     let picked = async {
         let decode = pools.pick_decode(&[]).await?;
-        let prefill = pools.pick_prefill(&[]).await?;
+        let prefill = if here { None } else { Some(pools.pick_prefill(&[]).await?) };
         Ok::<_, RouterError>((decode, prefill))
     }
     .await;
@@ -87,17 +88,32 @@ async fn open(pools: &Pools, req: &ValidRequest, record: &mut RequestRecord) -> 
     };
     route.set("pd.decode.worker", decode.addr.clone());
     route.set("pd.decode.why", decode.why.clone());
-    route.set("pd.prefill.worker", prefill.addr.clone());
-    route.set("pd.prefill.why", prefill.why.clone());
-    route.end();
     record.decode_worker = decode.addr.clone();
-    record.prefill_worker = prefill.addr.clone();
+    match &prefill {
+        Some(p) => {
+            route.set("pd.prefill.worker", p.addr.clone());
+            route.set("pd.prefill.why", p.why.clone());
+            record.prefill_worker = p.addr.clone();
+        }
+        None => {
+            let why = if pools.prefill.specs_empty() {
+                "colocated: no prefill pool".to_string()
+            } else {
+                format!("short prompt: {} <= {} tokens", req.prompt_tokens.len(), pools.local_prefill_max_tokens)
+            };
+            route.set("pd.prefill.worker", "decode worker");
+            route.set("pd.prefill.why", why);
+            record.prefill_worker = format!("local:{}", decode.addr);
+        }
+    }
+    route.end();
     let Picked { addr: decode_addr, client: mut decode, .. }: Picked<DecodeWorkerClient<Channel>> = decode;
     let decode_request = pb::DecodeRequest {
         request_id: record.request_id.clone(),
         prompt_tokens: req.prompt_tokens.clone(),
         sampling: Some(req.sampling.clone()),
         lease_ms: 0,
+        prefill_here: here,
     };
     let mut events = match decode.generate(traced(decode_request, record.span().context(), record.class())).await {
         Ok(r) => r.into_inner(),
@@ -106,12 +122,15 @@ async fn open(pools: &Pools, req: &ValidRequest, record: &mut RequestRecord) -> 
             return Err(decode_error(status));
         }
     };
+    let Some(prefill) = prefill else {
+        return Ok(Opened { events, remote: None });
+    };
     let target = match events.message().await {
         Ok(Some(pb::DecodeEvent { event: Some(Event::Target(t)) })) => t,
         Ok(_) => return Err(RouterError::Worker { stage: "decode", message: "no KV target".into() }),
         Err(status) => return Err(decode_error(status)),
     };
-    Ok(Opened { events, target, prefill })
+    Ok(Opened { events, remote: Some((target, prefill)) })
 }
 
 /// Starts `req` and returns its updates. Errors before the first token come back directly.
@@ -120,43 +139,51 @@ pub async fn start(
     req: &ValidRequest,
     mut record: RequestRecord,
 ) -> Result<ReceiverStream<Result<Update, RouterError>>, RouterError> {
-    let Opened { mut events, target, prefill: first_prefill } = match open(&pools, req, &mut record).await {
+    let Opened { mut events, remote } = match open(&pools, req, &mut record).await {
         Ok(o) => o,
         Err(e) => {
             record.fail(&e);
             return Err(e);
         }
     };
-    let lease_left = Duration::from_millis(
-        target.lease_deadline_unix_ms.saturating_sub(
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
-        ),
-    );
-    let prefill_req = pb::PrefillRequest {
-        request_id: record.request_id.clone(),
-        prompt_tokens: req.prompt_tokens.clone(),
-        target: Some(target),
-        sampling: Some(req.sampling.clone()),
-    };
-    let prefill = tokio::spawn(prefill_with_retries(
-        pools.clone(),
-        first_prefill,
-        prefill_req,
-        lease_left,
-        record.span().context().clone(),
-        record.class().clone(),
-        record.metrics().clone(),
-    ));
+    let prefill = remote.map(|(target, first_prefill)| {
+        let lease_left = Duration::from_millis(
+            target.lease_deadline_unix_ms.saturating_sub(
+                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
+            ),
+        );
+        let prefill_req = pb::PrefillRequest {
+            request_id: record.request_id.clone(),
+            prompt_tokens: req.prompt_tokens.clone(),
+            target: Some(target),
+            sampling: Some(req.sampling.clone()),
+        };
+        AbortOnDrop(tokio::spawn(prefill_with_retries(
+            pools.clone(),
+            first_prefill,
+            prefill_req,
+            lease_left,
+            record.span().context().clone(),
+            record.class().clone(),
+            record.metrics().clone(),
+        )))
+    });
     let (tx, rx) = mpsc::channel(64);
     // Relay decode events until done, failure, or the client leaving.
     tokio::spawn(async move {
-        let mut prefill = AbortOnDrop(prefill); // aborted when this relay ends
-        let mut prefill_pending = true;
+        // The prefill task (if any) is aborted when this relay ends.
+        let mut prefill = prefill;
+        let mut prefill_pending = prefill.is_some();
         let mut record = record;
         loop {
             let message = tokio::select! {
                 m = events.message() => m,
-                p = &mut prefill.0, if prefill_pending => {
+                p = async {
+                    match prefill.as_mut() {
+                        Some(task) => (&mut task.0).await,
+                        None => std::future::pending().await,
+                    }
+                }, if prefill_pending => {
                     prefill_pending = false;
                     match p {
                         Ok(Ok((worker, timings))) => {
@@ -184,6 +211,10 @@ pub async fn start(
                     Ok(Update::Token { token_id: t.token_id, text: t.text })
                 }
                 Ok(Some(pb::DecodeEvent { event: Some(Event::Finished(f)) })) => {
+                    if f.prefill_ms > 0.0 {
+                        // Prefilled on the decode worker, which measured it.
+                        record.prefilled(PrefillTimings { queue_ms: f.queue_ms, prefill_ms: f.prefill_ms, kv_commit_ms: 0.0 });
+                    }
                     record.decoded(DecodeTimings { kv_transfer_ms: f.kv_transfer_ms, decode_ms: f.decode_ms, kv_bytes: f.kv_bytes });
                     Ok(Update::Done {
                         finish_reason: f.finish_reason,
@@ -205,8 +236,8 @@ pub async fn start(
                     let reason = finish_reason.clone();
                     // The prefill response normally arrived long before the last token; wait
                     // briefly for it so the record carries the prefill worker's timings.
-                    if prefill_pending {
-                        if let Ok(Ok(Ok((worker, timings)))) = tokio::time::timeout(Duration::from_millis(200), &mut prefill.0).await {
+                    if let (true, Some(task)) = (prefill_pending, prefill.as_mut()) {
+                        if let Ok(Ok(Ok((worker, timings)))) = tokio::time::timeout(Duration::from_millis(200), &mut task.0).await {
                             record.prefill_worker = worker;
                             record.prefilled(timings);
                         }

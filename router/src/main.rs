@@ -16,9 +16,14 @@ struct Args {
     /// gRPC (pd.v1.Generation) listen address.
     #[arg(long, env = "PD_GRPC_LISTEN", default_value = "127.0.0.1:50051")]
     grpc_listen: String,
-    /// Prefill workers, host:port (DNS names are re-resolved on every request).
-    #[arg(long, env = "PD_PREFILL_WORKERS", value_delimiter = ',', required = true)]
+    /// Prefill workers, host:port (DNS names are re-resolved on every request). None:
+    /// colocated serving, the decode workers prefill every prompt in their batch.
+    #[arg(long, env = "PD_PREFILL_WORKERS", value_delimiter = ',')]
     prefill: Vec<String>,
+    /// Prompts of at most this many tokens are prefilled on the decode worker instead of a
+    /// prefill worker (conditional disaggregation; 0 = never).
+    #[arg(long, env = "PD_LOCAL_PREFILL_MAX_TOKENS", default_value_t = 0)]
+    local_prefill_max_tokens: usize,
     /// Decode workers, host:port (DNS names are re-resolved on every request).
     #[arg(long, env = "PD_DECODE_WORKERS", value_delimiter = ',', required = true)]
     decode: Vec<String>,
@@ -54,6 +59,7 @@ async fn main() -> anyhow::Result<()> {
         model_name: args.model_name,
         prefill_workers: args.prefill,
         decode_workers: args.decode,
+        local_prefill_max_tokens: args.local_prefill_max_tokens,
         limits: pd_router::Limits { max_tokens: args.max_tokens, default_completion_tokens: 16, default_chat_tokens: 512 },
         body_limit: args.body_limit,
         drain_delay: std::time::Duration::from_millis(args.drain_delay_ms),

@@ -30,6 +30,11 @@ impl Pool {
         Pool { name, specs, channels: Mutex::new(HashMap::new()) }
     }
 
+    /// True when the pool has no workers configured.
+    pub fn specs_empty(&self) -> bool {
+        self.specs.is_empty()
+    }
+
     /// Every address the specs resolve to now.
     pub async fn endpoints(&self) -> Vec<String> {
         let mut out = Vec::new();
@@ -78,14 +83,24 @@ pub struct Picked<C> {
     pub why: String,
 }
 
-/// Both pools.
+/// Both pools, and where prompts are prefilled.
 #[derive(Debug)]
 pub struct Pools {
     pub decode: Pool,
     pub prefill: Pool,
+    /// Prompts of at most this many tokens are prefilled on the decode worker, in its batch
+    /// (conditional disaggregation: a short prompt costs the running streams less than a
+    /// queue slot and a KV transfer cost it). 0 = every prompt goes to a prefill worker.
+    pub local_prefill_max_tokens: usize,
 }
 
 impl Pools {
+    /// True when a prompt of `tokens` tokens is prefilled on the decode worker: always when
+    /// no prefill pool is configured (colocated serving), else when it is short enough.
+    pub fn prefill_here(&self, tokens: usize) -> bool {
+        self.prefill.specs_empty() || tokens <= self.local_prefill_max_tokens
+    }
+
     /// The decode worker with the most free KV blocks (fewest running sequences on ties).
     pub async fn pick_decode(&self, exclude: &[String]) -> Result<Picked<DecodeWorkerClient<Channel>>, RouterError> {
         let mut best: Option<(String, DecodeWorkerClient<Channel>, (u32, i64))> = None;
@@ -143,8 +158,8 @@ impl Pools {
         .ok_or(RouterError::NoWorker("prefill"))
     }
 
-    /// True when at least one worker of each pool answers.
+    /// True when a decode worker answers, and a prefill worker too if a pool is configured.
     pub async fn ready(&self) -> bool {
-        self.pick_decode(&[]).await.is_ok() && self.pick_prefill(&[]).await.is_ok()
+        self.pick_decode(&[]).await.is_ok() && (self.prefill.specs_empty() || self.pick_prefill(&[]).await.is_ok())
     }
 }

@@ -140,7 +140,7 @@ fn printed(lines: &[String], prefix: &str) -> String {
         .unwrap_or_else(|| panic!("no `{prefix}` line in {lines:?}"))
 }
 
-/// A router, one decode worker and `prefill` prefill workers.
+/// A router, one decode worker and `prefill` prefill workers (none: colocated serving).
 pub struct Cluster {
     pub router: Proc,
     pub decode: Proc,
@@ -186,7 +186,10 @@ impl Cluster {
             prefill_metrics.push(printed(&lines, "pd-prefill metrics on"));
         }
         let mut args = strings(&["--http-listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--model", model]);
-        args.extend(["--prefill".to_string(), addrs.join(","), "--decode".to_string(), decode_addr.clone()]);
+        if !addrs.is_empty() {
+            args.extend(["--prefill".to_string(), addrs.join(",")]);
+        }
+        args.extend(["--decode".to_string(), decode_addr.clone()]);
         args.extend(options.router_args.iter().cloned());
         let (router, lines) = spawn("pd-router", &args, "pd-router http on", &options, log("pd-router"));
         // "<http> grpc on <grpc>"
