@@ -5,10 +5,13 @@
 #   colocated-chunked         one pd-decode (2 threads), chunked prefill (256 tokens per step)
 #   disaggregated             pd-prefill on core 0 + pd-decode on core 1 (1 thread each)
 #   disaggregated-conditional the same, prompts <= 256 tokens prefilled on the decode worker
-# The router (and the load generator) run unpinned. Writes every run under
+# Colocated: the router and the load generator share both cores with the engine.
+# Disaggregated: they run on core 0 with the prefill worker, so core 1 is the decode
+# worker's alone (as a decode GPU would be). Writes every run under
 # bench/results/interference/runs/, the comparison table and plots under
 # bench/results/interference/.
 #   bench/interference.sh [DURATION_S]   (default 60 per run; 8 runs)
+#   SETUPS="disaggregated" bench/interference.sh 60   (rerun some setups, compare all)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 duration="${1:-60}"
@@ -18,7 +21,9 @@ features=pd-kv-transfer/ucx,pd-bench/ucx
 scripts/fetch-model.sh >/dev/null
 cargo build --release --quiet --workspace --bins --features "$features"
 bin=target/release
-rm -rf "$out/runs" "$out/logs"
+setups="${SETUPS:-colocated-naive colocated-chunked disaggregated disaggregated-conditional}"
+[[ -z "${SETUPS:-}" ]] && rm -rf "$out/runs"
+rm -rf "$out/logs"
 mkdir -p "$out/runs" "$out/logs"
 port=18080
 pids=()
@@ -36,6 +41,9 @@ addr_of() {
     echo "interference: $1 did not start" >&2; return 1
 }
 
+# The command prefix that places the router and the load generator (see the header).
+placement() { case $1 in disaggregated*) echo "taskset -c 0" ;; *) echo "" ;; esac; }
+
 start_setup() {
     local setup=$1 tag=$2 router_args=()
     case $setup in
@@ -50,17 +58,17 @@ start_setup() {
             [[ $setup == disaggregated-conditional ]] && router_args+=(--local-prefill-max-tokens 256)
             ;;
     esac
-    launch "$tag-router" "$bin/pd-router" --model "$model" --http-listen "127.0.0.1:$port" --grpc-listen 127.0.0.1:0 \
+    launch "$tag-router" $(placement "$setup") "$bin/pd-router" --model "$model" --http-listen "127.0.0.1:$port" --grpc-listen 127.0.0.1:0 \
         --decode "$(addr_of "$tag-decode")" --drain-delay-ms 0 "${router_args[@]}"
     for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$port/ready" >/dev/null && return; sleep 0.1; done
     echo "interference: $setup did not become ready" >&2; return 1
 }
 
-for setup in colocated-naive colocated-chunked disaggregated disaggregated-conditional; do
+for setup in $setups; do
     for variant in base docs; do
         echo "== $setup / $variant ($duration s)" >&2
         start_setup "$setup" "$setup-$variant"
-        "$bin/pd-bench" run --url "http://127.0.0.1:$port" --model "$model" \
+        $(placement "$setup") "$bin/pd-bench" run --quiet --url "http://127.0.0.1:$port" --model "$model" \
             --scenario "bench/scenarios/interference-$variant.txt" --duration-s "$duration" \
             --label "$setup/$variant" --out "$out/runs/$setup-$variant" >/dev/null
         stop

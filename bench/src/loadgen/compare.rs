@@ -56,8 +56,12 @@ fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
 
 /// Pairs `SETUP/with_variant` with `SETUP/without_variant` runs for `class`.
 pub fn compare(runs: &[Run], class: &str, with_variant: &str, without_variant: &str) -> Vec<SetupLine> {
-    let mut setups: Vec<&str> = runs.iter().filter_map(|r| r.label.split_once('/').map(|(s, _)| s)).collect();
-    setups.dedup();
+    let mut setups: Vec<&str> = Vec::new();
+    for setup in runs.iter().filter_map(|r| r.label.split_once('/').map(|(s, _)| s)) {
+        if !setups.contains(&setup) {
+            setups.push(setup);
+        }
+    }
     setups
         .into_iter()
         .filter_map(|setup| {
@@ -155,7 +159,7 @@ mod tests {
 
     #[test]
     fn pairs_setups_and_computes_ratios() {
-        let runs = vec![run("a/docs", 30.0), run("a/base", 10.0), run("b/docs", 10.0), run("b/base", 10.0), run("c/docs", 5.0)];
+        let runs = vec![run("a/docs", 30.0), run("b/docs", 10.0), run("b/base", 10.0), run("a/base", 10.0), run("c/docs", 5.0)];
         let lines = compare(&runs, "interactive", "docs", "base");
         assert_eq!(lines.len(), 2, "c has no base run");
         assert_eq!(lines[0].itl_p95_ratio, Some(3.0));

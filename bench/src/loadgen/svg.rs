@@ -131,9 +131,37 @@ pub fn distribution(title: &str, x_label: &str, series: &[(String, Vec<f64>)]) -
     out
 }
 
+/// Most points a timeline draws: every gap above the 90th percentile (the stalls it is
+/// there to show) and an even sample of the rest, so the file stays small.
+const TIMELINE_POINTS: usize = 4000;
+
+fn thin(points: &[(f64, f64)]) -> Vec<(f64, f64)> {
+    if points.len() <= TIMELINE_POINTS {
+        return points.to_vec();
+    }
+    let mut gaps: Vec<f64> = points.iter().map(|p| p.1).collect();
+    gaps.sort_by(f64::total_cmp);
+    let p90 = gaps[gaps.len() * 9 / 10];
+    let high = points.iter().filter(|p| p.1 > p90).count();
+    let every = (points.len() - high).div_ceil(TIMELINE_POINTS.saturating_sub(high).max(1)).max(1);
+    let mut low_seen = 0;
+    points
+        .iter()
+        .filter(|p| {
+            if p.1 > p90 {
+                return true;
+            }
+            low_seen += 1;
+            low_seen % every == 0
+        })
+        .copied()
+        .collect()
+}
+
 /// Inter-token gaps over time (`points`: seconds since start, gap in ms; log y axis) with
 /// a vertical marker at each time in `marks` (e.g. long-prompt arrivals).
 pub fn timeline(title: &str, points: &[(f64, f64)], marks: &[f64], mark_label: &str) -> String {
+    let points = &thin(points);
     let t_max = points.iter().map(|p| p.0).chain(marks.iter().copied()).fold(1.0, f64::max);
     let bounds = log_bounds(points.iter().map(|p| p.1));
     let (pw, ph) = (W - LEFT - RIGHT, H - TOP - BOTTOM);
@@ -170,5 +198,10 @@ mod tests {
         assert!(svg.contains("b&lt;c"));
         let t = timeline("ITL", &[(0.5, 12.0), (1.0, 900.0)], &[0.7], "document");
         assert_eq!(t.matches("<circle").count(), 2);
+        // Large timelines keep every high gap and a sample of the rest.
+        let many: Vec<(f64, f64)> = (0..20_000).map(|i| (i as f64 / 100.0, if i % 1000 == 0 { 5000.0 } else { 20.0 + (i % 7) as f64 })).collect();
+        let thinned = thin(&many);
+        assert!(thinned.len() <= TIMELINE_POINTS + 20, "{}", thinned.len());
+        assert_eq!(thinned.iter().filter(|p| p.1 == 5000.0).count(), 20, "every stall kept");
     }
 }
