@@ -57,16 +57,18 @@ pub struct PrefillSent {
     /// The prompt's KV on the prefill side (drop it to free the blocks).
     pub source: SequenceKv,
     pub receipt: CommitReceipt,
-    /// Whole prefill compute, first chunk to last layer.
+    /// Prefill compute, summed over the chunks (waits for turns excluded).
     pub prefill_time: Duration,
+    /// Waiting for the scheduler's turns, the first one included.
+    pub waited: Duration,
     /// From the last layer's KV being written (its attention and MLP, and the logits, still
     /// to compute) to the receiver's commit confirmation.
     pub last_layer_to_commit: Duration,
     /// From the prefill's logits being ready to the commit confirmation: what the transfer
     /// adds to time-to-first-token.
     pub prefill_end_to_commit: Duration,
-    /// Wall-clock start and end of the compute, and the end of each chunk with its tokens
-    /// (for trace spans and events).
+    /// Wall-clock start of the first chunk and end of the last, and the end of each chunk
+    /// with its tokens (for trace spans and events).
     pub compute_started: SystemTime,
     pub compute_ended: SystemTime,
     pub chunks: Vec<(usize, SystemTime)>,
@@ -74,48 +76,123 @@ pub struct PrefillSent {
     pub layers: u32,
 }
 
+/// Decides when the next chunk of a prompt may run, where several prompts share one engine;
+/// the turn is held while that chunk computes.
+pub trait ChunkScheduler: Sync {
+    type Turn: Send;
+    /// Waits for the turn of a prompt with `remaining_tokens` still to prefill.
+    fn turn(&self, remaining_tokens: usize) -> impl std::future::Future<Output = Self::Turn> + Send;
+}
+
+/// Every chunk runs at once: for callers that own the engine.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Unscheduled;
+
+impl ChunkScheduler for Unscheduled {
+    type Turn = ();
+
+    async fn turn(&self, _remaining_tokens: usize) {}
+}
+
 enum Progress {
     Layer(usize, Instant),
     Chunk(usize, SystemTime),
 }
 
-/// Prefills `prompt` on `engine` (chunks of `chunk` tokens) on a blocking thread and ships
-/// every layer as soon as it is computed, then commits with the first token sampled with
-/// `sampling` (greedy when its temperature is 0).
+/// Prefills `prompt` on `engine` in chunks of `chunk` tokens, each on a blocking thread when
+/// `scheduler` gives it a turn (so a worker can run another prompt's chunk in between), and
+/// ships every layer as soon as the last chunk has computed it, then commits with the first
+/// token sampled with `sampling` (greedy when its temperature is 0).
 /// `header` names the destination; its geometry must be `geometry_of(engine, ..)`.
-pub async fn prefill_and_send<S: KvSender>(
+pub async fn prefill_and_send<S: KvSender, C: ChunkScheduler>(
     engine: Arc<Engine>,
     prompt: Vec<u32>,
     chunk: usize,
     header: TransferHeader,
     sender: &S,
     sampling: &pd_engine::SamplingParams,
+    scheduler: &C,
 ) -> Result<PrefillSent, TransferError> {
     let engine_err = |e: pd_engine::EngineError| TransferError::Sink(e.to_string());
+    let thread_err = |e: tokio::task::JoinError| TransferError::Sink(format!("prefill thread: {e}"));
     pd_engine::Sampler::new(sampling).map_err(engine_err)?;
+    let chunk = chunk.max(1);
     let geometry = header.geometry;
     let tokens = prompt.len() as u32;
-    let source = engine.sequence_with_capacity(prompt.len()).map_err(engine_err)?;
-    let source_blocks = source.blocks().ids().to_vec();
-    if source_blocks.len() != header.block_ids.len() {
-        return Err(TransferError::Incompatible(format!(
-            "{} source blocks for {} destination blocks",
-            source_blocks.len(),
-            header.block_ids.len()
-        )));
+    let needed = engine.blocks().blocks_for(prompt.len());
+    if needed != header.block_ids.len() {
+        return Err(TransferError::Incompatible(format!("{needed} source blocks for {} destination blocks", header.block_ids.len())));
     }
     let mut transfer = sender.start(header).await?;
+    let mut done = 0;
+    let mut chunks = Vec::new();
+    let mut waited = Duration::ZERO;
+    let mut prefill_time = Duration::ZERO;
+    // Blocks are taken at the first turn, so prompts waiting for one hold none.
+    let asked = Instant::now();
+    let mut turn = Some(scheduler.turn(prompt.len()).await);
+    waited += asked.elapsed();
+    let compute_started = SystemTime::now();
+    let mut source = match engine.sequence_with_capacity(prompt.len()) {
+        Ok(s) => s,
+        Err(e) => {
+            transfer.abort(&format!("no KV blocks for the prompt on the prefill worker: {e}")).await;
+            return Err(engine_err(e));
+        }
+    };
+    let source_blocks = source.blocks().ids().to_vec();
+    // Every chunk but the last: compute only (a layer's KV ships once the last chunk wrote it).
+    while prompt.len() - done > chunk {
+        let this_turn = match turn.take() {
+            Some(t) => t,
+            None => {
+                let asked = Instant::now();
+                let t = scheduler.turn(prompt.len() - done).await;
+                waited += asked.elapsed();
+                t
+            }
+        };
+        let piece = prompt[done..done + chunk].to_vec();
+        let compute_engine = engine.clone();
+        let started = Instant::now();
+        let (result, back) = tokio::task::spawn_blocking(move || {
+            let mut kv = source;
+            let result = compute_engine.prefill(&mut kv, &piece, piece.len());
+            (result, kv)
+        })
+        .await
+        .map_err(thread_err)?;
+        prefill_time += started.elapsed();
+        drop(this_turn);
+        source = back;
+        if let Err(e) = result {
+            transfer.abort(&format!("prefill failed: {e}")).await;
+            return Err(engine_err(e));
+        }
+        done += chunk;
+        chunks.push((chunk, SystemTime::now()));
+    }
+    // The last chunk, shipping each layer as soon as it holds the whole prompt.
+    let turn = match turn.take() {
+        Some(t) => t,
+        None => {
+            let asked = Instant::now();
+            let t = scheduler.turn(prompt.len() - done).await;
+            waited += asked.elapsed();
+            t
+        }
+    };
     let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Progress>();
     let compute_engine = engine.clone();
-    let compute_started = SystemTime::now();
+    let last_piece = prompt[done..].to_vec();
     let compute = tokio::task::spawn_blocking(move || {
-        let mut source = source;
+        let mut kv = source;
         let started = Instant::now();
         let chunk_tx = done_tx.clone();
         let logits: Result<Tensor, _> = compute_engine.prefill_observed(
-            &mut source,
-            &prompt,
-            chunk,
+            &mut kv,
+            &last_piece,
+            last_piece.len(),
             &mut |layer| {
                 let _ = done_tx.send(Progress::Layer(layer, Instant::now()));
             },
@@ -123,10 +200,9 @@ pub async fn prefill_and_send<S: KvSender>(
                 let _ = chunk_tx.send(Progress::Chunk(tokens, SystemTime::now()));
             },
         );
-        (logits, source, started.elapsed(), Instant::now(), SystemTime::now())
+        (logits, kv, started.elapsed(), Instant::now(), SystemTime::now())
     });
     let mut last_layer_at = None;
-    let mut chunks = Vec::new();
     let mut layers = 0;
     while let Some(progress) = done_rx.recv().await {
         let layer = match progress {
@@ -144,8 +220,9 @@ pub async fn prefill_and_send<S: KvSender>(
             transfer.send(frame).await?;
         }
     }
-    let (logits, source, prefill_time, prefill_end, compute_ended) =
-        compute.await.map_err(|e| TransferError::Sink(format!("prefill thread: {e}")))?;
+    let (logits, source, last_time, prefill_end, compute_ended) = compute.await.map_err(thread_err)?;
+    drop(turn);
+    prefill_time += last_time;
     let logits = match logits {
         Ok(l) => l,
         Err(e) => {
@@ -168,6 +245,7 @@ pub async fn prefill_and_send<S: KvSender>(
         source,
         receipt,
         prefill_time,
+        waited,
         last_layer_to_commit,
         prefill_end_to_commit,
         compute_started,

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pd_engine::{CacheConfig, ChatMessage, Engine, LoadOptions, SamplingParams, SequenceKv, WireDType};
-use pd_kv_transfer::engine_io::{geometry_of, prefill_and_send};
+use pd_kv_transfer::engine_io::{geometry_of, prefill_and_send, Unscheduled};
 use pd_kv_transfer::grpc::{GrpcKvReceiver, GrpcKvSender};
 use pd_kv_transfer::{KvReceiver, KvRegistry, Reservation, TransferHeader};
 
@@ -62,7 +62,7 @@ async fn prefill_transfer_decode_gives_the_uninterrupted_greedy_tokens() {
                 })
                 .expect("reservation");
             // Chunks of 16 tokens: the last chunk ships layers while later layers compute.
-            let sent = prefill_and_send(prefill.clone(), prompt.clone(), 16, header, &sender, &greedy).await.expect("sent");
+            let sent = prefill_and_send(prefill.clone(), prompt.clone(), 16, header, &sender, &greedy, &Unscheduled).await.expect("sent");
             drop(sent.source);
             let committed = outcome.await.expect("outcome").expect("committed");
             assert_eq!(committed.first_token, expected[0]);

@@ -1,13 +1,15 @@
 //! pd-prefill: the prefill worker. It runs each prompt through its own engine in chunks,
 //! ships every layer's KV to the decode worker named in the request's KV target as soon as
 //! the layer is computed, commits with the first token and returns that token with the
-//! timings measured here (pd.v1.PrefillWorker). One prefill runs at a time per engine; the
-//! others wait in a FIFO queue whose size is reported as waiting prefill tokens.
+//! timings measured here (pd.v1.PrefillWorker). Prompts take turns on the engine chunk by
+//! chunk, shortest remaining first (`gate`), so a short prompt does not wait behind a whole
+//! long document; what waits is reported as waiting prefill tokens.
 //!
 //! `/metrics`, `/health` and `/ready` are served on a second, HTTP port. On shutdown
 //! (SIGTERM) readiness fails, new prefills are refused, and the process exits once the
 //! accepted ones are answered (or the grace period ends).
 
+pub mod gate;
 pub mod service;
 
 use std::future::Future;
@@ -36,6 +38,8 @@ pub struct Config {
     pub kv_timeout: Duration,
     /// On shutdown, the longest wait for accepted prefills to finish.
     pub grace: Duration,
+    /// A prompt waiting longer than this goes before shorter ones.
+    pub max_wait: Duration,
 }
 
 /// Loads the model and serves gRPC on `listener` and the HTTP endpoints on `http` until
@@ -56,7 +60,7 @@ pub async fn run(
         let config = config.clone();
         tokio::task::spawn_blocking(move || Engine::load(&config.model, config.load, config.cache)).await??
     };
-    let service = PrefillService::new(Arc::new(engine), config.chunk, config.kv_timeout, PrefillMetrics::register(&metrics));
+    let service = PrefillService::new(Arc::new(engine), config.chunk, config.kv_timeout, config.max_wait, PrefillMetrics::register(&metrics));
     let scraped = service.clone();
     metrics.on_scrape(move || scraped.refresh_gauges());
     let draining = service.clone();

@@ -24,8 +24,9 @@ struct Args {
     /// Weights in memory: f16, f32, q8 or stored (must match the decode workers').
     #[arg(long, default_value = "f16")]
     weights: WeightFormat,
-    /// Prefill chunk in tokens.
-    #[arg(long, default_value_t = 512)]
+    /// Prefill chunk in tokens: the unit of turns between prompts (a short prompt waits at
+    /// most one chunk of a long one) and of compute per blocking call.
+    #[arg(long, default_value_t = 256)]
     chunk: usize,
     /// KV cache blocks (of 16 tokens) for the prompt in flight.
     #[arg(long, default_value_t = 576)]
@@ -33,6 +34,10 @@ struct Args {
     /// Longest wait on a decode worker's KV service, in milliseconds.
     #[arg(long, default_value_t = 5_000)]
     kv_timeout_ms: u64,
+    /// Prompts take turns chunk by chunk, shortest remaining first; one that has waited
+    /// this long (milliseconds since arrival) goes first instead.
+    #[arg(long, env = "PD_MAX_WAIT_MS", default_value_t = 5_000)]
+    max_wait_ms: u64,
     /// On SIGTERM, the longest wait for accepted prefills, in milliseconds.
     #[arg(long, env = "PD_GRACE_MS", default_value_t = 30_000)]
     grace_ms: u64,
@@ -72,6 +77,7 @@ fn config(args: &Args) -> anyhow::Result<pd_prefill::Config> {
         chunk: args.chunk,
         kv_timeout: Duration::from_millis(args.kv_timeout_ms),
         grace: Duration::from_millis(args.grace_ms),
+        max_wait: Duration::from_millis(args.max_wait_ms),
     };
     config.cache.validate()?;
     Ok(config)

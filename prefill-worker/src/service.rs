@@ -1,4 +1,5 @@
-//! The `pd.v1.PrefillWorker` service: a FIFO queue in front of one engine, the prompt's KV
+//! The `pd.v1.PrefillWorker` service: prompts share one engine chunk by chunk (`gate`:
+//! shortest remaining prompt first, no starvation), the prompt's KV
 //! shipped layer by layer to the decode worker named in the request, and the request's
 //! stages as spans in its trace (`prefill.queue`, `prefill.compute` with an event per
 //! chunk, `kv.send`, whose context travels in the KV transfer header so the decode worker's
@@ -11,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pd_engine::{Engine, SamplingParams, WireDType};
-use pd_kv_transfer::engine_io::{geometry_of, prefill_and_send};
+use pd_kv_transfer::engine_io::{geometry_of, prefill_and_send, ChunkScheduler};
 use pd_kv_transfer::grpc::GrpcKvSender;
 use pd_kv_transfer::{KvGeometry, TransferError, TransferHeader};
 use pd_proto::v1 as pb;
@@ -19,8 +20,9 @@ use pb::prefill_worker_server::PrefillWorker;
 use pd_telemetry::metrics::PrefillMetrics;
 use pd_telemetry::opentelemetry::KeyValue;
 use pd_telemetry::{input_bucket, RequestClass, StageSpan};
-use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
+
+use crate::gate::{ChunkGate, Turn};
 
 /// Load gauges, updated by `Counted` guards so every exit path counts down.
 #[derive(Debug, Default)]
@@ -43,14 +45,35 @@ impl Gauges {
 #[derive(Debug, Clone)]
 pub struct PrefillService {
     engine: Arc<Engine>,
-    /// One prefill at a time on this engine; FIFO (tokio's semaphore is fair).
-    slot: Arc<Semaphore>,
+    /// Whose chunk runs next on this engine (shortest remaining prompt first).
+    gate: Arc<ChunkGate>,
     gauges: Arc<Gauges>,
     senders: Arc<Mutex<HashMap<String, GrpcKvSender>>>,
     chunk: usize,
     kv_timeout: Duration,
     metrics: PrefillMetrics,
     stopping: Arc<AtomicBool>,
+}
+
+/// The turns of one request at the gate; its first turn moves it from queued to running.
+struct Turns<'a> {
+    gate: &'a Arc<ChunkGate>,
+    arrived: Instant,
+    counted: &'a Mutex<Counted>,
+}
+
+impl ChunkScheduler for Turns<'_> {
+    type Turn = Turn;
+
+    async fn turn(&self, remaining_tokens: usize) -> Turn {
+        let turn = self.gate.turn(remaining_tokens, self.arrived).await;
+        if let Ok(mut counted) = self.counted.lock() {
+            if !counted.running {
+                counted.start_running();
+            }
+        }
+        turn
+    }
 }
 
 /// Counts a request in the gauges from arrival until it is dropped.
@@ -130,10 +153,12 @@ fn geometry_from_target(t: &pb::KvTarget) -> Result<KvGeometry, Status> {
 }
 
 impl PrefillService {
-    pub fn new(engine: Arc<Engine>, chunk: usize, kv_timeout: Duration, metrics: PrefillMetrics) -> Self {
+    /// `max_wait`: a prompt waiting longer than this since its arrival goes before shorter
+    /// ones (no starvation).
+    pub fn new(engine: Arc<Engine>, chunk: usize, kv_timeout: Duration, max_wait: Duration, metrics: PrefillMetrics) -> Self {
         PrefillService {
             engine,
-            slot: Arc::new(Semaphore::new(1)),
+            gate: ChunkGate::new(max_wait),
             gauges: Arc::new(Gauges::default()),
             senders: Arc::new(Mutex::new(HashMap::new())),
             chunk: chunk.max(1),
@@ -223,16 +248,7 @@ impl PrefillWorker for PrefillService {
         let tokens = prompt.len();
         let labels = [class.as_str(), input_bucket(tokens)];
         queue_span.set("gen_ai.usage.input_tokens", tokens as i64);
-        let mut counted = Counted::new(self.gauges.clone(), tokens as u64, arrived);
-        let _permit = self.slot.acquire().await.map_err(|_| Status::unavailable("the prefill worker is stopping"))?;
-        counted.start_running();
-        let queue_time = arrived.elapsed();
-        self.metrics.queue_time.with_label_values(&labels).observe(queue_time.as_secs_f64());
-        queue_span.end();
-
-        let compute_span = StageSpan::start("prefill.compute", &parent);
-        compute_span.set("gen_ai.usage.input_tokens", tokens as i64);
-        compute_span.set("pd.prefill.chunk_tokens", self.chunk as i64);
+        let counted = Mutex::new(Counted::new(self.gauges.clone(), tokens as u64, arrived));
         let send_span = StageSpan::start("kv.send", &parent);
         send_span.set("pd.kv.backend", "grpc");
         send_span.set("pd.kv.endpoint", target.kv_endpoint.clone());
@@ -242,7 +258,7 @@ impl PrefillWorker for PrefillService {
             Ok(s) => s,
             Err(e) => {
                 send_span.error(e.to_string());
-                compute_span.error("not started: the decode worker's KV service is unreachable");
+                queue_span.error("not started: the decode worker's KV service is unreachable");
                 return Err(e.to_status());
             }
         };
@@ -253,7 +269,9 @@ impl PrefillWorker for PrefillService {
             num_tokens: tokens as u32,
             trace_context: pd_telemetry::otel::inject_map(send_span.context()),
         };
-        let sent = prefill_and_send(self.engine.clone(), prompt, self.chunk, header, &sender, &sampling).await;
+        let turns = Turns { gate: &self.gate, arrived, counted: &counted };
+        let sent = prefill_and_send(self.engine.clone(), prompt, self.chunk, header, &sender, &sampling, &turns).await;
+        drop(counted);
         let sent = match sent {
             Ok(s) => s,
             Err(e) => {
@@ -261,11 +279,19 @@ impl PrefillWorker for PrefillService {
                     self.forget_sender(&endpoint);
                 }
                 send_span.error(e.to_string());
-                compute_span.error(e.to_string());
+                StageSpan::start("prefill.compute", &parent).error(e.to_string());
                 return Err(e.to_status());
             }
         };
-        drop(counted);
+        // Spans of the stages as measured: queued until the first chunk's turn; compute
+        // from there to the last chunk (with the waits between chunks when shorter prompts
+        // went first, in `pd.prefill.waited_ms`).
+        queue_span.end_at(sent.compute_started);
+        let compute_span = StageSpan::start_at("prefill.compute", &parent, sent.compute_started);
+        compute_span.set("gen_ai.usage.input_tokens", tokens as i64);
+        compute_span.set("pd.prefill.chunk_tokens", self.chunk as i64);
+        compute_span.set("pd.prefill.compute_ms", sent.prefill_time.as_secs_f64() * 1e3);
+        compute_span.set("pd.prefill.waited_ms", sent.waited.as_secs_f64() * 1e3);
         for (i, (chunk_tokens, at)) in sent.chunks.iter().enumerate() {
             compute_span.event_at(
                 "prefill.chunk",
@@ -279,11 +305,12 @@ impl PrefillWorker for PrefillService {
         send_span.set("pd.kv.layers", sent.layers as i64);
         send_span.set("pd.kv.prefill_end_to_commit_ms", sent.prefill_end_to_commit.as_secs_f64() * 1e3);
         send_span.end();
+        self.metrics.queue_time.with_label_values(&labels).observe(sent.waited.as_secs_f64());
         self.metrics.prefill_time.with_label_values(&labels).observe(sent.prefill_time.as_secs_f64());
         self.metrics.kv_transfer_bytes.inc_by(sent.receipt.bytes);
         Ok(Response::new(pb::PrefillResponse {
             first_token: sent.first_token,
-            queue_ms: queue_time.as_secs_f64() * 1e3,
+            queue_ms: sent.waited.as_secs_f64() * 1e3,
             prefill_ms: sent.prefill_time.as_secs_f64() * 1e3,
             kv_commit_ms: sent.prefill_end_to_commit.as_secs_f64() * 1e3,
             kv_bytes: sent.receipt.bytes,

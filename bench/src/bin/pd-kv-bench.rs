@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 use pd_engine::{BlockManager, CacheConfig, ChatMessage, Engine, LoadOptions, WireDType};
-use pd_kv_transfer::engine_io::{geometry_of, prefill_and_send};
+use pd_kv_transfer::engine_io::{geometry_of, prefill_and_send, Unscheduled};
 use pd_kv_transfer::grpc::{GrpcKvReceiver, GrpcKvSender};
 use pd_kv_transfer::{
     frame_runs, Frame, KvGeometry, KvReceiver, KvRegistry, KvSender, KvTransfer, MemorySink, Reservation, TransferHeader,
@@ -188,7 +188,7 @@ async fn ttft_part(args: &Args) -> anyhow::Result<()> {
             num_tokens: prompt.len() as u32,
             lease: Duration::from_secs(120),
         })?;
-        let sent = prefill_and_send(prefill.clone(), prompt.clone(), 512, header, &sender, &pd_engine::SamplingParams::greedy(1)).await?;
+        let sent = prefill_and_send(prefill.clone(), prompt.clone(), 512, header, &sender, &pd_engine::SamplingParams::greedy(1), &Unscheduled).await?;
         drop(outcome.await?.map_err(|e| anyhow::anyhow!("{e}"))?);
         rows[0].push(format!("{:.2} s", sent.prefill_time.as_secs_f64()));
         rows[1].push(format!("{:.1} MB", sent.receipt.bytes as f64 / 1e6));

@@ -1,0 +1,44 @@
+//! The prefill worker shares its engine chunk by chunk, shortest remaining prompt first: a
+//! short prompt that arrives while a long document is being prefilled is answered before
+//! the document, instead of waiting behind all of it.
+
+use std::time::{Duration, Instant};
+
+use pd_tests::{Cluster, Options};
+use serde_json::json;
+
+async fn metric(addr: &str, name: &str) -> f64 {
+    let text = Cluster::scrape(addr).await;
+    text.lines().find_map(|l| l.strip_prefix(&format!("{name} ")).and_then(|v| v.parse().ok())).unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_prompt_overtakes_a_long_prefill() {
+    let options = Options { prefill: 1, prefill_args: vec!["--chunk".into(), "256".into()], ..Options::default() };
+    let cluster = Cluster::start_with(options).await;
+    let url = cluster.url("/v1/completions");
+    let document = "The lighthouse keeper wrote in his log every night. ".repeat(150);
+    let long = tokio::spawn({
+        let url = url.clone();
+        async move {
+            let body = json!({ "model": "SmolLM2-135M-Instruct", "prompt": document, "max_tokens": 2 });
+            let r = reqwest::Client::new().post(&url).json(&body).send().await.expect("long request");
+            (r.status().as_u16(), Instant::now())
+        }
+    });
+    let metrics = cluster.prefill_metrics[0].clone();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while metric(&metrics, "pd_waiting_prefill_tokens").await < 1000.0 {
+        assert!(Instant::now() < deadline, "the long prefill never started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await; // well into the document
+    let body = json!({ "model": "SmolLM2-135M-Instruct", "prompt": "Hello, my name is", "max_tokens": 2 });
+    let short = reqwest::Client::new().post(&url).json(&body).send().await.expect("short request");
+    assert_eq!(short.status().as_u16(), 200);
+    let short_done = Instant::now();
+    assert!(!long.is_finished(), "the short prompt is answered while the document is still in prefill");
+    let (status, long_done) = long.await.expect("task");
+    assert_eq!(status, 200, "the document completes too");
+    assert!(short_done < long_done);
+}
