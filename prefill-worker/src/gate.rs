@@ -2,8 +2,8 @@
 //! chunk, and between chunks the engine goes to the waiting prompt with the fewest tokens
 //! left (shortest remaining first): a short prompt that arrives while a long document is
 //! being prefilled waits for one chunk, not the whole document. A prompt that has waited
-//! longer than `max_wait` since it arrived goes first (oldest first), so long prompts are
-//! never starved by a stream of short ones.
+//! longer than `max_wait` for its turn goes first (longest waiting first), so a long prompt
+//! still gets a chunk at least every `max_wait` under a stream of short ones.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -13,7 +13,8 @@ use tokio::sync::oneshot;
 #[derive(Debug)]
 struct Waiter {
     remaining: usize,
-    arrived: Instant,
+    /// When this turn was asked for.
+    since: Instant,
     wake: oneshot::Sender<()>,
 }
 
@@ -71,9 +72,10 @@ impl ChunkGate {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Waits for the engine, for a prompt that arrived at `arrived` with `remaining` tokens
-    /// still to prefill. Cancel-safe: a dropped wait gives its place up.
-    pub async fn turn(self: &Arc<Self>, remaining: usize, arrived: Instant) -> Turn {
+    /// Waits for the engine, for a prompt with `remaining` tokens still to prefill that asks
+    /// for its turn at `since` (now, except in tests). Cancel-safe: a dropped wait gives its
+    /// place up.
+    pub async fn turn(self: &Arc<Self>, remaining: usize, since: Instant) -> Turn {
         let rx = {
             let mut state = self.lock();
             if !state.busy {
@@ -81,7 +83,7 @@ impl ChunkGate {
                 return Turn { gate: self.clone() };
             }
             let (wake, rx) = oneshot::channel();
-            state.waiting.push(Waiter { remaining, arrived, wake });
+            state.waiting.push(Waiter { remaining, since, wake });
             rx
         };
         let mut waiting = Waiting { gate: self.clone(), rx, settled: false };
@@ -91,21 +93,21 @@ impl ChunkGate {
             Ok(()) => Turn { gate: self.clone() },
             // A waiter's sender is only dropped unsent once it was removed for being closed,
             // which a live wait is not; queue again rather than run without the turn.
-            Err(_) => Box::pin(self.turn(remaining, arrived)).await,
+            Err(_) => Box::pin(self.turn(remaining, since)).await,
         }
     }
 
-    /// The next waiter: anyone past `max_wait` (oldest first), else the fewest tokens left
-    /// (earliest arrival on ties).
+    /// The next waiter: anyone waiting longer than `max_wait` (longest first), else the
+    /// fewest tokens left (earliest asked on ties).
     fn next(&self, waiting: &[Waiter]) -> Option<usize> {
         let now = Instant::now();
         let overdue = waiting
             .iter()
             .enumerate()
-            .filter(|(_, w)| now.duration_since(w.arrived) > self.max_wait)
-            .min_by_key(|(_, w)| w.arrived)
+            .filter(|(_, w)| now.duration_since(w.since) > self.max_wait)
+            .min_by_key(|(_, w)| w.since)
             .map(|(i, _)| i);
-        overdue.or_else(|| waiting.iter().enumerate().min_by_key(|(_, w)| (w.remaining, w.arrived)).map(|(i, _)| i))
+        overdue.or_else(|| waiting.iter().enumerate().min_by_key(|(_, w)| (w.remaining, w.since)).map(|(i, _)| i))
     }
 
     fn pass_on(&self) {
@@ -130,12 +132,12 @@ mod tests {
     fn waiter(
         gate: &Arc<ChunkGate>,
         remaining: usize,
-        arrived: Instant,
+        since: Instant,
         order: &Arc<Mutex<Vec<usize>>>,
     ) -> tokio::task::JoinHandle<()> {
         let (gate, order) = (gate.clone(), order.clone());
         tokio::spawn(async move {
-            let _turn = gate.turn(remaining, arrived).await;
+            let _turn = gate.turn(remaining, since).await;
             order.lock().expect("order").push(remaining);
         })
     }
@@ -152,7 +154,7 @@ mod tests {
             waiter(&gate, 300, now, &order),
         ];
         tokio::time::sleep(Duration::from_millis(20)).await;
-        // An old prompt, waiting since long before the others: it goes first.
+        // A prompt that has waited for its turn longer than max_wait: it goes first.
         let old = waiter(&gate, 4000, now - Duration::from_secs(10), &order);
         tokio::time::sleep(Duration::from_millis(20)).await;
         drop(held);

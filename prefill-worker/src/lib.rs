@@ -38,7 +38,7 @@ pub struct Config {
     pub kv_timeout: Duration,
     /// On shutdown, the longest wait for accepted prefills to finish.
     pub grace: Duration,
-    /// A prompt waiting longer than this goes before shorter ones.
+    /// A prompt waiting longer than this for a chunk's turn goes before shorter ones.
     pub max_wait: Duration,
 }
 

@@ -35,8 +35,8 @@ struct Args {
     #[arg(long, default_value_t = 5_000)]
     kv_timeout_ms: u64,
     /// Prompts take turns chunk by chunk, shortest remaining first; one that has waited
-    /// this long (milliseconds since arrival) goes first instead.
-    #[arg(long, env = "PD_MAX_WAIT_MS", default_value_t = 5_000)]
+    /// this long for a turn (milliseconds) goes first instead, so long prompts progress.
+    #[arg(long, env = "PD_MAX_WAIT_MS", default_value_t = 2_000)]
     max_wait_ms: u64,
     /// On SIGTERM, the longest wait for accepted prefills, in milliseconds.
     #[arg(long, env = "PD_GRACE_MS", default_value_t = 30_000)]

@@ -58,7 +58,6 @@ pub struct PrefillService {
 /// The turns of one request at the gate; its first turn moves it from queued to running.
 struct Turns<'a> {
     gate: &'a Arc<ChunkGate>,
-    arrived: Instant,
     counted: &'a Mutex<Counted>,
 }
 
@@ -66,7 +65,7 @@ impl ChunkScheduler for Turns<'_> {
     type Turn = Turn;
 
     async fn turn(&self, remaining_tokens: usize) -> Turn {
-        let turn = self.gate.turn(remaining_tokens, self.arrived).await;
+        let turn = self.gate.turn(remaining_tokens, Instant::now()).await;
         if let Ok(mut counted) = self.counted.lock() {
             if !counted.running {
                 counted.start_running();
@@ -153,7 +152,7 @@ fn geometry_from_target(t: &pb::KvTarget) -> Result<KvGeometry, Status> {
 }
 
 impl PrefillService {
-    /// `max_wait`: a prompt waiting longer than this since its arrival goes before shorter
+    /// `max_wait`: a prompt waiting longer than this for a chunk's turn goes before shorter
     /// ones (no starvation).
     pub fn new(engine: Arc<Engine>, chunk: usize, kv_timeout: Duration, max_wait: Duration, metrics: PrefillMetrics) -> Self {
         PrefillService {
@@ -269,7 +268,7 @@ impl PrefillWorker for PrefillService {
             num_tokens: tokens as u32,
             trace_context: pd_telemetry::otel::inject_map(send_span.context()),
         };
-        let turns = Turns { gate: &self.gate, arrived, counted: &counted };
+        let turns = Turns { gate: &self.gate, counted: &counted };
         let sent = prefill_and_send(self.engine.clone(), prompt, self.chunk, header, &sender, &sampling, &turns).await;
         drop(counted);
         let sent = match sent {
