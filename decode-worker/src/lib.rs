@@ -39,11 +39,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::new());
-    let (ready_tx, ready_rx) = tokio::sync::watch::channel(false);
-    let (http_stop_tx, http_stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let http_server = tokio::spawn(pd_telemetry::http::serve(http, metrics.clone(), ready_rx, async {
-        let _ = http_stop_rx.await;
-    }));
+    let endpoints = pd_telemetry::http::Endpoints::start(http, metrics.clone());
     let engine = {
         let config = config.clone();
         tokio::task::spawn_blocking(move || Engine::load(&config.model, config.load, config.cache)).await??
@@ -68,7 +64,7 @@ pub async fn run(
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let draining = service.clone();
     let grace = config.grace;
-    let ready_flag = ready_tx.clone();
+    let ready_flag = endpoints.readiness();
     tokio::spawn(async move {
         shutdown.await;
         ready_flag.send_replace(false);
@@ -76,7 +72,7 @@ pub async fn run(
         drain(&draining, grace).await;
         let _ = stop_tx.send(());
     });
-    ready_tx.send_replace(true);
+    endpoints.set_ready(true);
     let incoming = pd_kv_transfer::grpc::nodelay_incoming(listener);
     let result = tonic::transport::Server::builder()
         .initial_stream_window_size(16 << 20)
@@ -88,8 +84,7 @@ pub async fn run(
         })
         .await;
     reaper.abort();
-    let _ = http_stop_tx.send(());
-    let _ = http_server.await;
+    endpoints.stop().await;
     tracing::info!("stopped");
     Ok(result?)
 }

@@ -94,6 +94,17 @@ impl ChunkScheduler for Unscheduled {
     async fn turn(&self, _remaining_tokens: usize) {}
 }
 
+/// The turn already held, or a new one (the wait added to `waited`).
+async fn next_turn<C: ChunkScheduler>(scheduler: &C, held: &mut Option<C::Turn>, remaining: usize, waited: &mut Duration) -> C::Turn {
+    if let Some(t) = held.take() {
+        return t;
+    }
+    let asked = Instant::now();
+    let t = scheduler.turn(remaining).await;
+    *waited += asked.elapsed();
+    t
+}
+
 enum Progress {
     Layer(usize, Instant),
     Chunk(usize, SystemTime),
@@ -143,15 +154,7 @@ pub async fn prefill_and_send<S: KvSender, C: ChunkScheduler>(
     let source_blocks = source.blocks().ids().to_vec();
     // Every chunk but the last: compute only (a layer's KV ships once the last chunk wrote it).
     while prompt.len() - done > chunk {
-        let this_turn = match turn.take() {
-            Some(t) => t,
-            None => {
-                let asked = Instant::now();
-                let t = scheduler.turn(prompt.len() - done).await;
-                waited += asked.elapsed();
-                t
-            }
-        };
+        let this_turn = next_turn(scheduler, &mut turn, prompt.len() - done, &mut waited).await;
         let piece = prompt[done..done + chunk].to_vec();
         let compute_engine = engine.clone();
         let started = Instant::now();
@@ -173,15 +176,7 @@ pub async fn prefill_and_send<S: KvSender, C: ChunkScheduler>(
         chunks.push((chunk, SystemTime::now()));
     }
     // The last chunk, shipping each layer as soon as it holds the whole prompt.
-    let turn = match turn.take() {
-        Some(t) => t,
-        None => {
-            let asked = Instant::now();
-            let t = scheduler.turn(prompt.len() - done).await;
-            waited += asked.elapsed();
-            t
-        }
-    };
+    let turn = next_turn(scheduler, &mut turn, prompt.len() - done, &mut waited).await;
     let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Progress>();
     let compute_engine = engine.clone();
     let last_piece = prompt[done..].to_vec();

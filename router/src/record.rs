@@ -92,14 +92,7 @@ pub struct RequestRecord {
     ended: bool,
 }
 
-/// The `q` quantile (0..=1) of sorted values, nearest rank.
-pub fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = (q * sorted.len() as f64).ceil().max(1.0) as usize;
-    sorted.get(rank.min(sorted.len()) - 1).copied()
-}
+pub use pd_telemetry::percentile;
 
 fn ms(d: std::time::Duration) -> f64 {
     d.as_secs_f64() * 1e3

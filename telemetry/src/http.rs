@@ -16,7 +16,7 @@ use tokio::sync::watch;
 use crate::Metrics;
 
 #[derive(Clone)]
-struct Endpoints {
+struct Served {
     metrics: Arc<Metrics>,
     ready: watch::Receiver<bool>,
 }
@@ -26,11 +26,11 @@ pub fn metrics_response(metrics: &Metrics) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], metrics.render()).into_response()
 }
 
-async fn metrics(State(e): State<Endpoints>) -> Response {
+async fn metrics(State(e): State<Served>) -> Response {
     metrics_response(&e.metrics)
 }
 
-async fn ready(State(e): State<Endpoints>) -> Response {
+async fn ready(State(e): State<Served>) -> Response {
     if *e.ready.borrow() {
         (StatusCode::OK, "ready").into_response()
     } else {
@@ -49,8 +49,43 @@ pub async fn serve(
         .route("/metrics", get(metrics))
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
-        .with_state(Endpoints { metrics: metrics_registry, ready: ready_flag });
+        .with_state(Served { metrics: metrics_registry, ready: ready_flag });
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+}
+
+/// A worker's HTTP endpoints, served in the background from `start` until `stop`; `/ready`
+/// fails until `set_ready(true)` (model loaded) and again from `set_ready(false)` (draining).
+#[derive(Debug)]
+pub struct Endpoints {
+    ready: watch::Sender<bool>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Endpoints {
+    pub fn start(listener: TcpListener, metrics: Arc<Metrics>) -> Self {
+        let (ready, ready_rx) = watch::channel(false);
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(serve(listener, metrics, ready_rx, async {
+            let _ = stop_rx.await;
+        }));
+        Endpoints { ready, stop, task }
+    }
+
+    /// A handle that sets readiness (for a drain task).
+    pub fn readiness(&self) -> watch::Sender<bool> {
+        self.ready.clone()
+    }
+
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.send_replace(ready);
+    }
+
+    /// Stops serving and waits for the server to end.
+    pub async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.task.await;
+    }
 }
 
 #[cfg(test)]

@@ -15,6 +15,16 @@ pub mod logs;
 pub mod metrics;
 pub mod otel;
 
+/// Nearest-rank percentile (`q` in 0..=1) of sorted values: the one definition behind the
+/// router's per-request ITL percentiles and pd-bench's reports.
+pub fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = (q * sorted.len() as f64).ceil().max(1.0) as usize;
+    sorted.get(rank.min(sorted.len()) - 1).copied()
+}
+
 pub use logs::LogFormat;
 pub use metrics::{input_bucket, Metrics, RequestClass};
 pub use otel::{StageSpan, Telemetry};
@@ -59,4 +69,20 @@ pub fn instance_name() -> String {
         let host = std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
         format!("{host}:{}", std::process::id())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::percentile;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 0.5), Some(50.0));
+        assert_eq!(percentile(&v, 0.95), Some(95.0));
+        assert_eq!(percentile(&v, 1.0), Some(100.0));
+        assert_eq!(percentile(&[7.0], 0.95), Some(7.0));
+        assert_eq!(percentile(&[1.0, 2.0, 3.0], 0.5), Some(2.0));
+        assert_eq!(percentile(&[], 0.5), None);
+    }
 }

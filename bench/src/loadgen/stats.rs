@@ -4,14 +4,7 @@
 
 use serde::Serialize;
 
-/// Nearest-rank percentile (`q` in 0..=1) of sorted values.
-pub fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = (q * sorted.len() as f64).ceil().max(1.0) as usize;
-    sorted.get(rank.min(sorted.len()) - 1).copied()
-}
+pub use pd_telemetry::percentile;
 
 /// Count, p50/p95/p99 and max of a sample.
 #[derive(Debug, Clone, Copy, Serialize, PartialEq)]
