@@ -92,7 +92,7 @@ pub struct RequestRecord {
     ended: bool,
 }
 
-pub use pd_telemetry::percentile;
+use pd_telemetry::percentile;
 
 fn ms(d: std::time::Duration) -> f64 {
     d.as_secs_f64() * 1e3
@@ -242,21 +242,5 @@ impl Drop for RequestRecord {
     fn drop(&mut self) {
         // The client went away before the end: its stream was cancelled.
         self.end("cancelled", None, None);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::percentile;
-
-    #[test]
-    fn nearest_rank_percentiles() {
-        let v: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(percentile(&v, 0.5), Some(50.0));
-        assert_eq!(percentile(&v, 0.95), Some(95.0));
-        assert_eq!(percentile(&v, 1.0), Some(100.0));
-        assert_eq!(percentile(&[7.0], 0.95), Some(7.0));
-        assert_eq!(percentile(&[1.0, 2.0, 3.0], 0.5), Some(2.0));
-        assert_eq!(percentile(&[], 0.5), None);
     }
 }
