@@ -143,14 +143,23 @@ pub async fn prefill_and_send<S: KvSender, C: ChunkScheduler>(
     let asked = Instant::now();
     let mut turn = Some(scheduler.turn(prompt.len()).await);
     waited += asked.elapsed();
-    let compute_started = SystemTime::now();
-    let mut source = match engine.sequence_with_capacity(prompt.len()) {
-        Ok(s) => s,
-        Err(e) => {
-            transfer.abort(&format!("no KV blocks for the prompt on the prefill worker: {e}")).await;
-            return Err(engine_err(e));
+    let mut source = loop {
+        match engine.sequence_with_capacity(prompt.len()) {
+            Ok(s) => break s,
+            // Other prompts in flight hold the blocks: give the turn back and ask again; they
+            // progress and free theirs (a prompt larger than the whole cache fails at once).
+            Err(pd_engine::EngineError::OutOfBlocks { .. }) if needed <= engine.blocks().total_blocks() => {
+                drop(turn.take());
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                turn = Some(next_turn(scheduler, &mut turn, prompt.len(), &mut waited).await);
+            }
+            Err(e) => {
+                transfer.abort(&format!("no KV blocks for the prompt on the prefill worker: {e}")).await;
+                return Err(engine_err(e));
+            }
         }
     };
+    let compute_started = SystemTime::now();
     let source_blocks = source.blocks().ids().to_vec();
     // Every chunk but the last: compute only (a layer's KV ships once the last chunk wrote it).
     while prompt.len() - done > chunk {

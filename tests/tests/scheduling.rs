@@ -42,3 +42,29 @@ async fn a_short_prompt_overtakes_a_long_prefill() {
     assert_eq!(status, 200, "the document completes too");
     assert!(short_done < long_done);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompts_wait_for_prefill_kv_blocks_instead_of_failing() {
+    // 48 blocks of 16 tokens: room for one ~500-token prompt at a time, not two.
+    let options = Options { prefill: 1, prefill_args: vec!["--kv-blocks".into(), "48".into()], ..Options::default() };
+    let cluster = Cluster::start_with(options).await;
+    let url = cluster.url("/v1/completions");
+    let prompt = "The lighthouse keeper wrote in his log every night. ".repeat(45);
+    let requests: Vec<_> = (0..2)
+        .map(|_| {
+            let (url, prompt) = (url.clone(), prompt.clone());
+            tokio::spawn(async move {
+                let body = json!({ "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 2 });
+                let r = reqwest::Client::new().post(&url).json(&body).send().await.expect("request");
+                let status = r.status().as_u16();
+                (status, r.text().await.unwrap_or_default())
+            })
+        })
+        .collect();
+    for r in requests {
+        let (status, body) = r.await.expect("task");
+        assert_eq!(status, 200, "both prompts are served, one after the other: {body}");
+        assert!(body.contains("\"prompt_tokens\":"), "{body}");
+    }
+    assert_eq!(metric(&cluster.prefill_metrics[0], "pd_waiting_prefill_tokens").await, 0.0);
+}
