@@ -251,6 +251,21 @@ impl Cluster {
         client.load(pd_proto::v1::LoadRequest {}).await.expect("load").into_inner()
     }
 
+    /// Waits (up to `timeout`) until the decode worker holds no KV blocks; panics naming
+    /// the load otherwise. A sequence's blocks are freed when it leaves the batch, just after
+    /// its last token went out, so a client can see its answer a step before that.
+    pub async fn wait_kv_free(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let load = self.decode_load().await;
+            if load.free_blocks == load.total_blocks {
+                return;
+            }
+            assert!(Instant::now() < deadline, "KV blocks still in use after {timeout:?}: {load:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// A prefill worker's load report.
     pub async fn prefill_load(&self, i: usize) -> Option<pd_proto::v1::PrefillLoad> {
         let mut client =

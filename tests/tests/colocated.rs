@@ -58,7 +58,7 @@ async fn colocated_matches_engine(policy: &str) {
     for t in tasks {
         assert_eq!(t.await.expect("task").as_u16(), 200, "{policy}");
     }
-    assert_eq!(cluster.decode_load().await.free_blocks, cluster.decode_load().await.total_blocks, "{policy}: no KV left in use");
+    cluster.wait_kv_free(std::time::Duration::from_secs(5)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -45,8 +45,7 @@ async fn killed_prefill_worker_is_replaced_by_another() {
     let (status, body) = tokio::time::timeout(Duration::from_secs(60), request).await.expect("no hang").expect("task");
     assert_eq!(status, 200, "the other prefill worker completed it: {body}");
     assert!(body["usage"]["completion_tokens"].as_u64().is_some_and(|n| n > 0), "{body}");
-    let load = cluster.decode_load().await;
-    assert_eq!(load.free_blocks, load.total_blocks, "no KV left behind");
+    cluster.wait_kv_free(Duration::from_secs(5)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -65,15 +64,7 @@ async fn killed_only_prefill_worker_fails_fast_with_a_typed_error() {
     assert!(killed.elapsed() < Duration::from_secs(5), "error after {:?}", killed.elapsed());
     assert_eq!(status, 503, "{body}");
     assert_eq!(body["error"]["type"], "service_unavailable", "{body}");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let load = cluster.decode_load().await;
-        if load.free_blocks == load.total_blocks {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the reservation was not freed: {load:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    cluster.wait_kv_free(Duration::from_secs(5)).await; // the reservation is freed
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
