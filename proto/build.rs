@@ -5,8 +5,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("cargo:rerun-if-changed={p}");
     }
     let descriptor = std::path::PathBuf::from(std::env::var("OUT_DIR")?).join("pd_descriptor.bin");
-    tonic_prost_build::configure()
-        .file_descriptor_set_path(&descriptor)
-        .compile_protos(&protos, &["."])?;
+    tonic_prost_build::configure().file_descriptor_set_path(&descriptor).compile_protos(&protos, &["."])?;
     Ok(())
 }

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# The test command of the README: system packages, the model, then every test of the
-# workspace (UCX transport included), built once in release mode into target/.
+# The test command of the README: system packages (each checked by its dpkg status after
+# installing), the model, formatting and lints, then every test of the workspace (UCX
+# transport included), built once in release mode into target/.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/install-deps.sh
+scripts/install-deps.sh --check
 scripts/install-k8s-tools.sh
 scripts/fetch-model.sh
 # Tests and local runs keep UCX on loopback (the code sets these too; this covers child tools).
 export UCX_NET_DEVICES=lo UCX_TLS="${UCX_TLS:-posix,sysv,cma,tcp}"
 features=pd-kv-transfer/ucx,pd-bench/ucx
+cargo fmt --all --check
+# Lints share the release profile's dependency builds (clippy checks, it does not link).
+cargo clippy --release --workspace --all-targets --features "$features" -- -D warnings
 # The end-to-end tests start the real binaries: build them first (same profile, reused).
 cargo build --release --workspace --bins --features "$features"
 cargo test --release --workspace --features "$features" "$@"

@@ -133,8 +133,14 @@ impl Batcher {
         let (admit, rx) = std_mpsc::channel();
         let running = Arc::new(AtomicUsize::new(0));
         let end_all = Arc::new(AtomicBool::new(false));
-        let loop_state =
-            Loop { engine, gauge: running.clone(), end_all: end_all.clone(), metrics, max_batch: max_batch.max(1), policy };
+        let loop_state = Loop {
+            engine,
+            gauge: running.clone(),
+            end_all: end_all.clone(),
+            metrics,
+            max_batch: max_batch.max(1),
+            policy,
+        };
         std::thread::Builder::new()
             .name("pd-decode-batch".into())
             .spawn(move || run(loop_state, rx))
@@ -157,9 +163,7 @@ impl Batcher {
     /// Hands a sequence to the loop; if the loop is gone the sequence is dropped (its blocks
     /// freed) and the caller gets it back as an error.
     pub fn admit(&self, admission: Admission) -> Result<(), tonic::Status> {
-        self.admit
-            .send(admission)
-            .map_err(|_| tonic::Status::unavailable("the decode loop has stopped"))
+        self.admit.send(admission).map_err(|_| tonic::Status::unavailable("the decode loop has stopped"))
     }
 }
 
@@ -188,7 +192,10 @@ fn emit(engine: &Engine, metrics: &DecodeMetrics, seq: &mut Running, token: u32)
     }
     if let Some(finish) = out.finish {
         let decode_time = seq.started.elapsed();
-        metrics.decode_time.with_label_values(&[seq.labels[0].as_str(), seq.labels[1].as_str()]).observe(decode_time.as_secs_f64());
+        metrics
+            .decode_time
+            .with_label_values(&[seq.labels[0].as_str(), seq.labels[1].as_str()])
+            .observe(decode_time.as_secs_f64());
         seq.span.set("gen_ai.usage.output_tokens", seq.tracker.generated().len() as i64);
         seq.span.set("gen_ai.response.finish_reasons", finish.as_str().to_string());
         let finished = pb::Finished {
@@ -301,7 +308,12 @@ fn run(state: Loop, admissions: std_mpsc::Receiver<Admission>) {
         }
         if end_all.load(Ordering::Relaxed) {
             for seq in running.drain(..) {
-                fail(&seq, tonic::Status::unavailable("the decode worker shut down before the sequence finished (grace period over)"));
+                fail(
+                    &seq,
+                    tonic::Status::unavailable(
+                        "the decode worker shut down before the sequence finished (grace period over)",
+                    ),
+                );
             }
         }
         // Clients that went away while we waited.

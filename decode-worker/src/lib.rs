@@ -50,7 +50,12 @@ pub async fn run(
     let addr = listener.local_addr()?;
     let decode_metrics = DecodeMetrics::register(&metrics);
     let service = DecodeService {
-        batcher: batcher::Batcher::start(engine.clone(), config.max_batch, config.prefill_policy, decode_metrics.clone()),
+        batcher: batcher::Batcher::start(
+            engine.clone(),
+            config.max_batch,
+            config.prefill_policy,
+            decode_metrics.clone(),
+        ),
         engine,
         registry: registry.clone(),
         kv_endpoint: config.advertise.clone().unwrap_or_else(|| addr.to_string()),
@@ -94,7 +99,11 @@ pub async fn run(
 async fn drain(service: &DecodeService, grace: Duration) {
     let blocks = service.engine.blocks();
     let busy = || blocks.free_blocks() < blocks.total_blocks();
-    tracing::info!(running = service.batcher.running(), grace_ms = grace.as_millis() as u64, "shutting down: refusing new requests");
+    tracing::info!(
+        running = service.batcher.running(),
+        grace_ms = grace.as_millis() as u64,
+        "shutting down: refusing new requests"
+    );
     let deadline = Instant::now() + grace;
     while busy() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -102,7 +111,11 @@ async fn drain(service: &DecodeService, grace: Duration) {
     if busy() {
         let reservations = service.registry.abort_all("the decode worker is shutting down");
         service.batcher.end_all();
-        tracing::warn!(running = service.batcher.running(), reservations, "grace period over: ending the remaining sequences");
+        tracing::warn!(
+            running = service.batcher.running(),
+            reservations,
+            "grace period over: ending the remaining sequences"
+        );
         let deadline = Instant::now() + Duration::from_secs(10);
         while busy() && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;

@@ -10,11 +10,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use pb::decode_worker_server::DecodeWorker;
 use pd_engine::{Engine, SamplingParams, SequenceKv, WireDType};
 use pd_kv_transfer::engine_io::geometry_of;
 use pd_kv_transfer::{KvRegistry, Reservation, TransferError};
 use pd_proto::v1 as pb;
-use pb::decode_worker_server::DecodeWorker;
 use pd_telemetry::metrics::DecodeMetrics;
 use pd_telemetry::{input_bucket, RequestClass, StageSpan};
 use tokio::sync::mpsc;
@@ -165,7 +165,11 @@ impl DecodeWorker for DecodeService {
         let class = RequestClass::from_metadata(request.metadata()).as_str().to_string();
         let admit = StageSpan::start("decode.admit", &parent);
         if self.stopping.load(Ordering::Relaxed) {
-            return Err(self.refuse(&admit, "shutting_down", Status::unavailable("the decode worker is shutting down")));
+            return Err(self.refuse(
+                &admit,
+                "shutting_down",
+                Status::unavailable("the decode worker is shutting down"),
+            ));
         }
         let req = request.into_inner();
         let checked = self.check(&req);
@@ -180,9 +184,9 @@ impl DecodeWorker for DecodeService {
         let blocks = self.engine.blocks();
         let prompt_blocks = blocks.blocks_for(req.prompt_tokens.len());
         // The whole output's blocks are taken now, so decoding never runs out of KV.
-        let allocated = blocks
-            .allocate(prompt_blocks)
-            .and_then(|prompt| blocks.allocate(blocks.blocks_for(total) - prompt_blocks).map(|growth| (prompt, growth)));
+        let allocated = blocks.allocate(prompt_blocks).and_then(|prompt| {
+            blocks.allocate(blocks.blocks_for(total) - prompt_blocks).map(|growth| (prompt, growth))
+        });
         let (prompt_alloc, growth) = match allocated {
             Ok(a) => a,
             Err(e) => return Err(self.refuse(&admit, "kv_blocks", Status::resource_exhausted(e.to_string()))),
@@ -251,7 +255,10 @@ impl DecodeWorker for DecodeService {
             receive.set("pd.kv.frames", committed.frames as i64);
             receive.set("pd.kv.layers", layers);
             receive.end_at(now);
-            metrics.kv_transfer_time.with_label_values(&[labels[0].as_str(), labels[1].as_str()]).observe(committed.receive_time.as_secs_f64());
+            metrics
+                .kv_transfer_time
+                .with_label_values(&[labels[0].as_str(), labels[1].as_str()])
+                .observe(committed.receive_time.as_secs_f64());
             metrics.kv_transfer_bytes.inc_by(committed.bytes);
             let mut blocks = committed.blocks;
             if let Err(e) = blocks.absorb(growth) {

@@ -36,7 +36,14 @@ struct GatherInputs {
 }
 
 impl SeqPlan {
-    pub fn new(row_start: usize, rows: usize, start_pos: usize, slots: Vec<u32>, heads: Heads, device: &Device) -> Result<Self> {
+    pub fn new(
+        row_start: usize,
+        rows: usize,
+        start_pos: usize,
+        slots: Vec<u32>,
+        heads: Heads,
+        device: &Device,
+    ) -> Result<Self> {
         let mut plan = SeqPlan { row_start, rows, start_pos, slots, gather: None };
         if !plan.uses_direct_kernel(device) {
             let ctx = start_pos + rows;
@@ -80,24 +87,15 @@ pub(crate) fn paged_attention(
     heads: Heads,
 ) -> Result<Tensor> {
     let device = q.device();
-    let decode_rows: Vec<usize> = plans
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| p.uses_direct_kernel(device))
-        .map(|(i, _)| i)
-        .collect();
-    let mut decoded = if decode_rows.is_empty() {
-        Vec::new()
-    } else {
-        decode_on_cpu(q, cache, layer, plans, &decode_rows, heads)?
-    }
-    .into_iter();
+    let decode_rows: Vec<usize> =
+        plans.iter().enumerate().filter(|(_, p)| p.uses_direct_kernel(device)).map(|(i, _)| i).collect();
+    let mut decoded =
+        if decode_rows.is_empty() { Vec::new() } else { decode_on_cpu(q, cache, layer, plans, &decode_rows, heads)? }
+            .into_iter();
     let mut parts = Vec::with_capacity(plans.len());
     for plan in plans {
         if plan.uses_direct_kernel(device) {
-            let row = decoded
-                .next()
-                .ok_or_else(|| EngineError::InvalidBatch("decode rows out of step".into()))?;
+            let row = decoded.next().ok_or_else(|| EngineError::InvalidBatch("decode rows out of step".into()))?;
             parts.push(Tensor::from_vec(row, (1, heads.num_heads * heads.head_dim), q.device())?);
         } else {
             let q_seq = q.narrow(0, plan.row_start, plan.rows)?;
@@ -108,44 +106,28 @@ pub(crate) fn paged_attention(
 }
 
 /// Prefill-chunk attention: gather this sequence's K/V, then masked matmuls.
-fn gathered_attention(
-    q: &Tensor,
-    cache: &KvCache,
-    layer: usize,
-    plan: &SeqPlan,
-    heads: Heads,
-) -> Result<Tensor> {
-    let Heads {
-        num_heads,
-        num_kv_heads,
-        head_dim,
-    } = heads;
+fn gathered_attention(q: &Tensor, cache: &KvCache, layer: usize, plan: &SeqPlan, heads: Heads) -> Result<Tensor> {
+    let Heads { num_heads, num_kv_heads, head_dim } = heads;
     let group = num_heads / num_kv_heads;
     let n = plan.rows;
     let ctx = plan.start_pos + n;
-    let inputs = plan
-        .gather
-        .as_ref()
-        .ok_or_else(|| EngineError::InvalidBatch("gather inputs missing from the plan".into()))?;
+    let inputs =
+        plan.gather.as_ref().ok_or_else(|| EngineError::InvalidBatch("gather inputs missing from the plan".into()))?;
     let (k, v) = cache.gather(layer, &inputs.slots)?;
     // [ctx, kvh*hd] -> [kvh, ctx, hd]
     let k = k.reshape((ctx, num_kv_heads, head_dim))?.transpose(0, 1)?.contiguous()?;
     let v = v.reshape((ctx, num_kv_heads, head_dim))?.transpose(0, 1)?.contiguous()?;
     // [n, nh*hd] -> [nh, n, hd] -> [kvh, group*n, hd]: the heads of a group are adjacent.
-    let q = q
-        .reshape((n, num_heads, head_dim))?
-        .transpose(0, 1)?
-        .contiguous()?
-        .reshape((num_kv_heads, group * n, head_dim))?;
+    let q = q.reshape((n, num_heads, head_dim))?.transpose(0, 1)?.contiguous()?.reshape((
+        num_kv_heads,
+        group * n,
+        head_dim,
+    ))?;
     let scale = 1.0 / (head_dim as f64).sqrt();
     let scores = (q.matmul(&k.t()?)? * scale)?;
     let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&inputs.mask)?)?;
     let out = probs.matmul(&v)?; // [kvh, group*n, hd]
-    Ok(out
-        .reshape((num_heads, n, head_dim))?
-        .transpose(0, 1)?
-        .contiguous()?
-        .reshape((n, num_heads * head_dim))?)
+    Ok(out.reshape((num_heads, n, head_dim))?.transpose(0, 1)?.contiguous()?.reshape((n, num_heads * head_dim))?)
 }
 
 /// Decode attention on CPU straight from the cache blocks: one output row per listed plan.
@@ -183,11 +165,7 @@ fn decode_on_cpu(
 /// Attention of one query row over `slots` (its whole context, itself included). One pass
 /// over the keys and one over the values, each cache row read once for all heads.
 fn decode_one(q: &[f32], k_all: &[f32], v_all: &[f32], slots: &[u32], heads: Heads) -> Vec<f32> {
-    let Heads {
-        num_heads,
-        num_kv_heads,
-        head_dim,
-    } = heads;
+    let Heads { num_heads, num_kv_heads, head_dim } = heads;
     let group = num_heads / num_kv_heads;
     let kv_width = num_kv_heads * head_dim;
     let ctx = slots.len();
@@ -231,7 +209,10 @@ fn prefetch_row(all: &[f32], slot: Option<&u32>, width: usize) {
             for line in (0..width).step_by(16) {
                 // SAFETY: prefetch is a hint that never faults; the address is inside `all`.
                 unsafe {
-                    std::arch::x86_64::_mm_prefetch(all.as_ptr().add(start + line).cast::<i8>(), std::arch::x86_64::_MM_HINT_T0);
+                    std::arch::x86_64::_mm_prefetch(
+                        all.as_ptr().add(start + line).cast::<i8>(),
+                        std::arch::x86_64::_MM_HINT_T0,
+                    );
                 }
             }
         }
@@ -342,7 +323,8 @@ mod tests {
         gather_plan.start_pos = 10;
         let ctx = 11;
         let mask = Tensor::zeros((1, 2, ctx), candle_core::DType::F32, &Device::Cpu)?;
-        gather_plan.gather = Some(GatherInputs { slots: Tensor::from_slice(&gather_plan.slots, ctx, &Device::Cpu)?, mask });
+        gather_plan.gather =
+            Some(GatherInputs { slots: Tensor::from_slice(&gather_plan.slots, ctx, &Device::Cpu)?, mask });
         let q = Tensor::randn(0f32, 1.0, (1, 32), &Device::Cpu)?;
         let direct = paged_attention(&q, &cache, 0, std::slice::from_ref(&plan), heads)?;
         let gathered = gathered_attention(&q, &cache, 0, &gather_plan, heads)?;

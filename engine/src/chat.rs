@@ -16,10 +16,7 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: &str, content: &str) -> Self {
-        ChatMessage {
-            role: role.to_string(),
-            content: content.to_string(),
-        }
+        ChatMessage { role: role.to_string(), content: content.to_string() }
     }
 }
 
@@ -43,11 +40,7 @@ impl ChatTemplate {
         });
         env.add_template_owned(NAME, source.to_string())
             .map_err(|e| EngineError::ChatTemplate(format!("does not compile: {e}")))?;
-        Ok(ChatTemplate {
-            env,
-            bos_token: bos_token.to_string(),
-            eos_token: eos_token.to_string(),
-        })
+        Ok(ChatTemplate { env, bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
     }
 
     /// The prompt text for `messages`, ending with the assistant's turn opener when
@@ -56,10 +49,7 @@ impl ChatTemplate {
         if messages.is_empty() {
             return Err(EngineError::ChatTemplate("no messages to render".into()));
         }
-        let template = self
-            .env
-            .get_template(NAME)
-            .map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
+        let template = self.env.get_template(NAME).map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
         template
             .render(context! {
                 messages => messages,
@@ -80,9 +70,7 @@ mod tests {
         let source = "{% for m in messages %}[{{ m.role.upper() }}]{{ m.content.strip() }}\n{% endfor %}\
                       {% if add_generation_prompt %}[ASSISTANT]{% endif %}";
         let t = ChatTemplate::new(source, "<s>", "</s>").expect("compiles");
-        let text = t
-            .render(&[ChatMessage::new("user", "  hi  ")], true)
-            .expect("renders");
+        let text = t.render(&[ChatMessage::new("user", "  hi  ")], true).expect("renders");
         assert_eq!(text, "[USER]hi\n[ASSISTANT]");
         let err = ChatTemplate::new("{% for %}", "", "").expect_err("syntax error");
         assert!(err.to_string().contains("does not compile"), "{err}");

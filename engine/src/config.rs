@@ -59,10 +59,7 @@ impl ModelConfig {
             )));
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
-            return Err(EngineError::Metadata(format!(
-                "rope_theta ({}) must be a positive number",
-                self.rope_theta
-            )));
+            return Err(EngineError::Metadata(format!("rope_theta ({}) must be a positive number", self.rope_theta)));
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
             return Err(EngineError::Metadata(format!(
@@ -100,9 +97,7 @@ impl DeviceKind {
                 if cfg!(feature = "cuda") {
                     Ok(candle_core::Device::new_cuda(ordinal)?)
                 } else {
-                    Err(EngineError::Config(
-                        "this build has no CUDA support; rebuild with `--features cuda`".into(),
-                    ))
+                    Err(EngineError::Config("this build has no CUDA support; rebuild with `--features cuda`".into()))
                 }
             }
         }
@@ -153,9 +148,7 @@ impl std::str::FromStr for WeightFormat {
             "f16" => Ok(WeightFormat::F16),
             "q8" => Ok(WeightFormat::Q8),
             "stored" => Ok(WeightFormat::Stored),
-            other => Err(EngineError::Config(format!(
-                "weight format `{other}` is not one of f32, f16, q8, stored"
-            ))),
+            other => Err(EngineError::Config(format!("weight format `{other}` is not one of f32, f16, q8, stored"))),
         }
     }
 }
@@ -169,10 +162,7 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions {
-            device: DeviceKind::Cpu,
-            weights: WeightFormat::F16,
-        }
+        LoadOptions { device: DeviceKind::Cpu, weights: WeightFormat::F16 }
     }
 }
 
@@ -190,10 +180,7 @@ impl CacheConfig {
 
     /// A cache of `num_blocks` blocks of the default size.
     pub fn with_blocks(num_blocks: usize) -> Self {
-        CacheConfig {
-            block_size: Self::DEFAULT_BLOCK_SIZE,
-            num_blocks,
-        }
+        CacheConfig { block_size: Self::DEFAULT_BLOCK_SIZE, num_blocks }
     }
 
     pub fn validate(&self) -> Result<()> {

@@ -268,9 +268,8 @@ impl Engine {
                     kv,
                 });
             }
-            let logits = self
-                .forward(&mut [BatchSeq { tokens: &[token], kv: &mut kv, want_logits: true }])?
-                .squeeze(0)?;
+            let logits =
+                self.forward(&mut [BatchSeq { tokens: &[token], kv: &mut kv, want_logits: true }])?.squeeze(0)?;
             token = sampler.sample(&logits)?;
         }
     }

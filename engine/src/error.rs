@@ -9,10 +9,7 @@ use std::path::PathBuf;
 pub enum EngineError {
     /// The model file or folder could not be read from disk.
     #[error("cannot read {path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
     /// The GGUF container is malformed or truncated.
     #[error("{path} is not a usable GGUF file: {reason}")]
     InvalidGguf { path: PathBuf, reason: String },
@@ -27,11 +24,7 @@ pub enum EngineError {
     MissingTensor(String),
     /// A weight is present but has the wrong shape.
     #[error("tensor `{name}` has shape {got:?}, expected {expected:?}")]
-    TensorShape {
-        name: String,
-        got: Vec<usize>,
-        expected: Vec<usize>,
-    },
+    TensorShape { name: String, got: Vec<usize>, expected: Vec<usize> },
     /// A Hugging Face model folder is incomplete or inconsistent.
     #[error("model folder {path}: {reason}")]
     ModelFolder { path: PathBuf, reason: String },
@@ -46,11 +39,7 @@ pub enum EngineError {
     ContextOverflow { tokens: usize, max: usize },
     /// The KV cache has fewer free blocks than the request needs.
     #[error("out of KV blocks: need {needed}, {free} free of {total}")]
-    OutOfBlocks {
-        needed: usize,
-        free: usize,
-        total: usize,
-    },
+    OutOfBlocks { needed: usize, free: usize, total: usize },
     /// KV bytes do not fit this model or this reservation.
     #[error("KV import refused: {0}")]
     KvImport(String),

@@ -178,15 +178,9 @@ impl Model {
             return Err(EngineError::InvalidBatch("empty batch".into()));
         }
         if cache.num_layers() != c.num_layers || cache.kv_width() != c.kv_width() {
-            return Err(EngineError::InvalidBatch(
-                "KV cache geometry does not match the model".into(),
-            ));
+            return Err(EngineError::InvalidBatch("KV cache geometry does not match the model".into()));
         }
-        let heads = Heads {
-            num_heads: c.num_heads,
-            num_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-        };
+        let heads = Heads { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
         let mut ids = Vec::new();
         let mut positions = Vec::new();
         let mut plans = Vec::with_capacity(batch.len());
@@ -205,10 +199,7 @@ impl Model {
             let start = seq.kv.len();
             let end = start + n;
             if end > c.max_position {
-                return Err(EngineError::ContextOverflow {
-                    tokens: end,
-                    max: c.max_position,
-                });
+                return Err(EngineError::ContextOverflow { tokens: end, max: c.max_position });
             }
             seq.kv.blocks_mut().ensure_tokens(end)?;
             cache.check_blocks(seq.kv.blocks().ids())?;
@@ -278,13 +269,10 @@ impl Model {
 
 fn rope_tables(c: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
     let half = c.head_dim / 2;
-    let inv_freq: Vec<f32> = (0..half)
-        .map(|i| 1.0 / c.rope_theta.powf(2.0 * i as f32 / c.head_dim as f32))
-        .collect();
+    let inv_freq: Vec<f32> = (0..half).map(|i| 1.0 / c.rope_theta.powf(2.0 * i as f32 / c.head_dim as f32)).collect();
     let inv_freq = Tensor::from_vec(inv_freq, (1, half), device)?;
-    let pos = Tensor::arange(0u32, c.max_position as u32, device)?
-        .to_dtype(DType::F32)?
-        .reshape((c.max_position, 1))?;
+    let pos =
+        Tensor::arange(0u32, c.max_position as u32, device)?.to_dtype(DType::F32)?.reshape((c.max_position, 1))?;
     let angles = pos.broadcast_mul(&inv_freq)?;
     Ok((angles.cos()?, angles.sin()?))
 }
@@ -292,19 +280,13 @@ fn rope_tables(c: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
 fn check_shape(name: &str, t: &RawTensor, expected: &[usize]) -> Result<()> {
     let got = t.dims();
     if got != expected {
-        return Err(EngineError::TensorShape {
-            name: name.to_string(),
-            got,
-            expected: expected.to_vec(),
-        });
+        return Err(EngineError::TensorShape { name: name.to_string(), got, expected: expected.to_vec() });
     }
     Ok(())
 }
 
 fn required(source: &mut dyn TensorSource, name: &str, shape: &[usize]) -> Result<RawTensor> {
-    let t = source
-        .take(name)?
-        .ok_or_else(|| EngineError::MissingTensor(name.to_string()))?;
+    let t = source.take(name)?.ok_or_else(|| EngineError::MissingTensor(name.to_string()))?;
     check_shape(name, &t, shape)?;
     Ok(t)
 }
@@ -320,10 +302,9 @@ const Q8_0_BLOCK: usize = 32;
 fn linear(parts: Vec<RawTensor>, format: WeightFormat, device: &Device) -> Result<Linear> {
     let k = parts[0].dims()[1];
     let all_quant_dtype = match parts.as_slice() {
-        [RawTensor::Quant(first), rest @ ..] => rest
-            .iter()
-            .all(|p| matches!(p, RawTensor::Quant(q) if q.dtype() == first.dtype()))
-            .then(|| first.dtype()),
+        [RawTensor::Quant(first), rest @ ..] => {
+            rest.iter().all(|p| matches!(p, RawTensor::Quant(q) if q.dtype() == first.dtype())).then(|| first.dtype())
+        }
         _ => None,
     };
     let keep_stored = matches!(
@@ -342,10 +323,7 @@ fn linear(parts: Vec<RawTensor>, format: WeightFormat, device: &Device) -> Resul
         let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), device, dtype)?;
         return Ok(Linear::Quant(QMatMul::from_qtensor(QTensor::new(storage, (rows, k))?)?));
     }
-    let dense = parts
-        .iter()
-        .map(|p| Ok(p.dequantize()?.to_device(device)?))
-        .collect::<Result<Vec<_>>>()?;
+    let dense = parts.iter().map(|p| Ok(p.dequantize()?.to_device(device)?)).collect::<Result<Vec<_>>>()?;
     let dense = Tensor::cat(&dense, 0)?;
     match format {
         WeightFormat::Q8 if k.is_multiple_of(Q8_0_BLOCK) => {
@@ -358,7 +336,5 @@ fn linear(parts: Vec<RawTensor>, format: WeightFormat, device: &Device) -> Resul
 
 /// FNV-1a, 64 bit: a stable fingerprint without extra dependencies.
 pub(crate) fn fnv1a64(data: &[u8]) -> u64 {
-    data.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
-        (hash ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    data.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| (hash ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }

@@ -91,9 +91,7 @@ impl std::fmt::Debug for Sampler {
 impl Sampler {
     pub fn new(params: &SamplingParams) -> Result<Self> {
         params.validate()?;
-        Ok(Sampler {
-            processor: LogitsProcessor::from_sampling(params.seed, params.sampling()),
-        })
+        Ok(Sampler { processor: LogitsProcessor::from_sampling(params.seed, params.sampling()) })
     }
 
     /// Next token from a `[vocab]` logits row.
@@ -220,11 +218,7 @@ impl OutputTracker {
         while !full.is_char_boundary(from) {
             from -= 1;
         }
-        self.params
-            .stop_strings
-            .iter()
-            .filter_map(|s| full[from..].find(s.as_str()).map(|i| from + i))
-            .min()
+        self.params.stop_strings.iter().filter_map(|s| full[from..].find(s.as_str()).map(|i| from + i)).min()
     }
 
     /// Length of the longest suffix of `text` that starts some stop string.
@@ -232,11 +226,7 @@ impl OutputTracker {
         self.params
             .stop_strings
             .iter()
-            .flat_map(|stop| {
-                (1..stop.len())
-                    .filter(|&n| stop.is_char_boundary(n) && text.ends_with(&stop[..n]))
-                    .max()
-            })
+            .flat_map(|stop| (1..stop.len()).filter(|&n| stop.is_char_boundary(n) && text.ends_with(&stop[..n])).max())
             .max()
             .unwrap_or(0)
     }

@@ -37,9 +37,7 @@ impl Tokenizer {
     /// Builds the tokenizer from GGUF metadata (`tokenizer.ggml.*`).
     pub fn from_gguf(metadata: &HashMap<String, Value>) -> Result<Self> {
         let get = |key: &str| {
-            metadata
-                .get(key)
-                .ok_or_else(|| EngineError::Tokenizer(format!("GGUF metadata has no `{key}`")))
+            metadata.get(key).ok_or_else(|| EngineError::Tokenizer(format!("GGUF metadata has no `{key}`")))
         };
         let model = get("tokenizer.ggml.model")?.to_string().map_err(tok_err)?;
         if model != "gpt2" {
@@ -65,28 +63,16 @@ impl Tokenizer {
             })
             .collect::<Result<_>>()?;
         let types: Vec<i32> = match metadata.get("tokenizer.ggml.token_type") {
-            Some(v) => v
-                .to_vec()
-                .map_err(tok_err)?
-                .iter()
-                .map(|t| t.to_i32().map_err(tok_err))
-                .collect::<Result<_>>()?,
+            Some(v) => {
+                v.to_vec().map_err(tok_err)?.iter().map(|t| t.to_i32().map_err(tok_err)).collect::<Result<_>>()?
+            }
             None => vec![1; tokens.len()],
         };
-        let vocab: tokenizers::models::bpe::Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(tok_err)?;
+        let vocab: tokenizers::models::bpe::Vocab =
+            tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(tok_err)?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
-        let pre: Vec<PreTokenizerWrapper> = vec![
-            Digits::new(true).into(),
-            ByteLevel::new(false, true, true).into(),
-        ];
+        let pre: Vec<PreTokenizerWrapper> = vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()];
         inner.with_pre_tokenizer(Some(Sequence::new(pre)));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
         let special: Vec<AddedToken> = tokens
@@ -97,15 +83,9 @@ impl Tokenizer {
             .collect();
         inner.add_special_tokens(special).map_err(tok_err)?;
         let id = |key: &str| metadata.get(key).and_then(|v| v.to_u32().ok());
-        let eos_ids: Vec<u32> = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"]
-            .iter()
-            .filter_map(|k| id(k))
-            .collect();
-        Ok(Tokenizer {
-            inner,
-            eos_ids,
-            bos_id: id("tokenizer.ggml.bos_token_id"),
-        })
+        let eos_ids: Vec<u32> =
+            ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"].iter().filter_map(|k| id(k)).collect();
+        Ok(Tokenizer { inner, eos_ids, bos_id: id("tokenizer.ggml.bos_token_id") })
     }
 
     /// Reads a Hugging Face `tokenizer.json`; `eos_ids` and `bos_id` come from config.json.

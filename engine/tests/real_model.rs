@@ -37,7 +37,8 @@ fn tokenizer_matches_llama_cpp_and_round_trips() {
         serde_json::from_str(include_str!("data/tokenizer_llamacpp.json")).expect("fixture json");
     for case in fixtures.as_array().expect("array") {
         let text = case["text"].as_str().expect("text");
-        let ids: Vec<u32> = case["ids"].as_array().expect("ids").iter().map(|v| v.as_u64().expect("id") as u32).collect();
+        let ids: Vec<u32> =
+            case["ids"].as_array().expect("ids").iter().map(|v| v.as_u64().expect("id") as u32).collect();
         assert_eq!(tok.encode(text).expect("encode"), ids, "ids of {text:?}");
     }
     for text in [

@@ -32,23 +32,14 @@ fn tokens(n: usize, salt: u32) -> Vec<u32> {
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .expect("same shape")
-        .abs()
-        .expect("abs")
-        .max_all()
-        .expect("max")
-        .to_scalar::<f32>()
-        .expect("scalar")
+    (a - b).expect("same shape").abs().expect("abs").max_all().expect("max").to_scalar::<f32>().expect("scalar")
 }
 
 /// Runs `chunks` one after another for one sequence; returns the logits after the last.
 fn run_alone(model: &Model, cache: &KvCache, kv: &mut SequenceKv, chunks: &[&[u32]]) -> Tensor {
     let mut last = None;
     for chunk in chunks {
-        let out = model
-            .forward(cache, &mut [BatchSeq { tokens: chunk, kv, want_logits: true }])
-            .expect("forward");
+        let out = model.forward(cache, &mut [BatchSeq { tokens: chunk, kv, want_logits: true }]).expect("forward");
         last = Some(out.squeeze(0).expect("row"));
     }
     last.expect("at least one chunk")
@@ -241,9 +232,8 @@ fn bad_runtime_input_gets_typed_errors_and_leaks_no_blocks() {
     // Longer than the context (96 tokens).
     let mut kv = SequenceKv::new(blocks.empty_allocation());
     let long = tokens(97, 1);
-    let err = model
-        .forward(&cache, &mut [BatchSeq { tokens: &long, kv: &mut kv, want_logits: true }])
-        .expect_err("too long");
+    let err =
+        model.forward(&cache, &mut [BatchSeq { tokens: &long, kv: &mut kv, want_logits: true }]).expect_err("too long");
     assert!(matches!(err, EngineError::ContextOverflow { tokens: 97, max: 96 }), "{err}");
 
     // Out of blocks: 17 tokens need 5 blocks of 4, the cache has 4.
@@ -258,9 +248,8 @@ fn bad_runtime_input_gets_typed_errors_and_leaks_no_blocks() {
 
     // Token id outside the vocabulary.
     let mut kv = SequenceKv::new(blocks.empty_allocation());
-    let err = model
-        .forward(&cache, &mut [BatchSeq { tokens: &[64], kv: &mut kv, want_logits: true }])
-        .expect_err("bad id");
+    let err =
+        model.forward(&cache, &mut [BatchSeq { tokens: &[64], kv: &mut kv, want_logits: true }]).expect_err("bad id");
     assert!(err.to_string().contains("token id 64"), "{err}");
 
     // KV from another model (other weights) and KV with a wrong byte count.
@@ -279,8 +268,14 @@ fn bad_runtime_input_gets_typed_errors_and_leaks_no_blocks() {
     drop(own_kv);
     let err = pd_engine::kv::export::import_kv(&model, &cache, &blocks, &own[..own.len() - 2]).expect_err("short");
     assert!(err.to_string().contains("payload"), "{err}");
-    let partial = pd_engine::kv::export::export_kv(&model, &cache, &SequenceKv::new(blocks.empty_allocation()), 0..1, WireDType::F32)
-        .expect("export of one layer");
+    let partial = pd_engine::kv::export::export_kv(
+        &model,
+        &cache,
+        &SequenceKv::new(blocks.empty_allocation()),
+        0..1,
+        WireDType::F32,
+    )
+    .expect("export of one layer");
     let err = pd_engine::kv::export::import_kv(&model, &cache, &blocks, &partial).expect_err("one layer");
     assert!(err.to_string().contains("needs all 2"), "{err}");
     assert_eq!(blocks.free_blocks(), 4, "refused imports hold no blocks");

@@ -95,7 +95,12 @@ impl ChunkScheduler for Unscheduled {
 }
 
 /// The turn already held, or a new one (the wait added to `waited`).
-async fn next_turn<C: ChunkScheduler>(scheduler: &C, held: &mut Option<C::Turn>, remaining: usize, waited: &mut Duration) -> C::Turn {
+async fn next_turn<C: ChunkScheduler>(
+    scheduler: &C,
+    held: &mut Option<C::Turn>,
+    remaining: usize,
+    waited: &mut Duration,
+) -> C::Turn {
     if let Some(t) = held.take() {
         return t;
     }
@@ -132,7 +137,10 @@ pub async fn prefill_and_send<S: KvSender, C: ChunkScheduler>(
     let tokens = prompt.len() as u32;
     let needed = engine.blocks().blocks_for(prompt.len());
     if needed != header.block_ids.len() {
-        return Err(TransferError::Incompatible(format!("{needed} source blocks for {} destination blocks", header.block_ids.len())));
+        return Err(TransferError::Incompatible(format!(
+            "{needed} source blocks for {} destination blocks",
+            header.block_ids.len()
+        )));
     }
     let mut transfer = sender.start(header).await?;
     let mut done = 0;

@@ -44,7 +44,11 @@ pub trait KvTransfer: Send {
     /// refused the transfer or vanished.
     fn send(&mut self, frame: Frame) -> impl Future<Output = Result<(), TransferError>> + Send;
     /// Ends the transfer and waits for the receiver's confirmation.
-    fn commit(self, first_token: u32, prompt_tokens: u32) -> impl Future<Output = Result<CommitReceipt, TransferError>> + Send;
+    fn commit(
+        self,
+        first_token: u32,
+        prompt_tokens: u32,
+    ) -> impl Future<Output = Result<CommitReceipt, TransferError>> + Send;
     /// Ends the transfer without success; the receiver frees the blocks.
     fn abort(self, reason: &str) -> impl Future<Output = ()> + Send;
 }

@@ -119,10 +119,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl KvRegistry {
     pub fn new(sink: Arc<dyn KvSink>) -> Arc<Self> {
-        Arc::new(KvRegistry {
-            entries: Mutex::new(HashMap::new()),
-            sink,
-        })
+        Arc::new(KvRegistry { entries: Mutex::new(HashMap::new()), sink })
     }
 
     /// Reservations not yet committed or failed.
@@ -172,10 +169,7 @@ impl KvRegistry {
     }
 
     fn get(&self, id: &str) -> Result<Arc<Mutex<Entry>>, TransferError> {
-        lock(&self.entries)
-            .get(id)
-            .cloned()
-            .ok_or_else(|| TransferError::UnknownTransfer(id.to_string()))
+        lock(&self.entries).get(id).cloned().ok_or_else(|| TransferError::UnknownTransfer(id.to_string()))
     }
 
     /// Ends an entry with `err`: leaves the registry, frees the blocks, tells the waiter.
@@ -189,7 +183,11 @@ impl KvRegistry {
     }
 
     /// Runs `f` on a live, unexpired entry; any error it returns fails the transfer.
-    fn with_entry<T>(&self, id: &str, f: impl FnOnce(&mut Entry) -> Result<T, TransferError>) -> Result<T, TransferError> {
+    fn with_entry<T>(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut Entry) -> Result<T, TransferError>,
+    ) -> Result<T, TransferError> {
         let arc = self.get(id)?;
         let mut entry = lock(&arc);
         if entry.blocks.is_none() {
@@ -265,7 +263,10 @@ impl KvRegistry {
             let base = frame.layer as usize * e.block_ids.len();
             let range = base + first as usize..base + end as usize;
             if let Some(dup) = e.received[range.clone()].iter().position(|&r| r) {
-                return Err(TransferError::DuplicateFrame { layer: frame.layer, block: frame.first_block + dup as u32 });
+                return Err(TransferError::DuplicateFrame {
+                    layer: frame.layer,
+                    block: frame.first_block + dup as u32,
+                });
             }
             let ids = &e.block_ids[first as usize..end as usize];
             self.sink.write_blocks(frame.layer, ids, g.dtype, frame.data).map_err(TransferError::Sink)?;
@@ -306,10 +307,7 @@ impl KvRegistry {
         let (bytes, frames) = (entry.bytes, entry.frames);
         let committed = CommittedKv {
             transfer_id: id.to_string(),
-            blocks: entry
-                .blocks
-                .take()
-                .ok_or_else(|| TransferError::UnknownTransfer(id.to_string()))?,
+            blocks: entry.blocks.take().ok_or_else(|| TransferError::UnknownTransfer(id.to_string()))?,
             num_tokens: entry.num_tokens,
             first_token,
             bytes,

@@ -96,13 +96,7 @@ pub struct Frame {
 impl Frame {
     /// A frame whose checksum is computed from `data`.
     pub fn new(layer: u32, first_block: u32, block_count: u32, data: Vec<u8>) -> Self {
-        Frame {
-            layer,
-            first_block,
-            block_count,
-            checksum: crc32fast::hash(&data),
-            data,
-        }
+        Frame { layer, first_block, block_count, checksum: crc32fast::hash(&data), data }
     }
 }
 
@@ -131,10 +125,7 @@ impl Frame {
 /// Splits `num_blocks` blocks into frame-sized runs `(first, count)`.
 pub fn frame_runs(geometry: &KvGeometry, num_blocks: usize) -> Vec<(u32, u32)> {
     let per = geometry.blocks_per_frame();
-    (0..num_blocks)
-        .step_by(per)
-        .map(|first| (first as u32, per.min(num_blocks - first) as u32))
-        .collect()
+    (0..num_blocks).step_by(per).map(|first| (first as u32, per.min(num_blocks - first) as u32)).collect()
 }
 
 pub(crate) fn dtype_to_pb(dtype: WireDType) -> pb::KvDtype {

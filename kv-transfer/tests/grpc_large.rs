@@ -39,9 +39,8 @@ async fn transfer_of_256_mib_keeps_memory_bounded() {
     let (header, outcome) = r.reserve("big", (blocks * 16) as u32, Duration::from_secs(120));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let server = GrpcKvReceiver::start(r.registry.clone(), listener).expect("receiver");
-    let sender = GrpcKvSender::connect(&server.local_addr().to_string(), Duration::from_secs(20))
-        .await
-        .expect("connect");
+    let sender =
+        GrpcKvSender::connect(&server.local_addr().to_string(), Duration::from_secs(20)).await.expect("connect");
 
     let before = peak_rss_bytes();
     let mut transfer = sender.start(header.clone()).await.expect("accepted");

@@ -70,7 +70,16 @@ where
     Fut: std::future::Future<Output = S>,
 {
     let (mut peer, lines) = spawn(&[
-        "receive", "--transport", transport, "--transfer-id", "victim", "--tokens", "512", "--layers", "4", "--lease-ms",
+        "receive",
+        "--transport",
+        transport,
+        "--transfer-id",
+        "victim",
+        "--tokens",
+        "512",
+        "--layers",
+        "4",
+        "--lease-ms",
         "60000",
     ]);
     let addr = wait_for(&lines, "listening ").trim_start_matches("listening ").to_string();
@@ -153,7 +162,8 @@ async fn killed_sender_case(transport: &str) {
         _ => {
             use pd_kv_transfer::ucx::{UcxConfig, UcxKvReceiver};
             let loopback = "127.0.0.1:0".parse().expect("addr");
-            let server = UcxKvReceiver::start(r.registry.clone(), UcxConfig::loopback_tcp(), loopback).expect("receiver");
+            let server =
+                UcxKvReceiver::start(r.registry.clone(), UcxConfig::loopback_tcp(), loopback).expect("receiver");
             let addr = server.local_addr().to_string();
             (Box::new(server), addr)
         }
@@ -161,8 +171,21 @@ async fn killed_sender_case(transport: &str) {
         other => panic!("transport {other} needs the ucx feature"),
     };
     let (mut peer, lines) = spawn(&[
-        "send", "--transport", transport, "--to", &addr, "--block-ids", &ids, "--transfer-id", "orphan", "--tokens",
-        "512", "--layers", "4", "--frame-delay-ms", "100",
+        "send",
+        "--transport",
+        transport,
+        "--to",
+        &addr,
+        "--block-ids",
+        &ids,
+        "--transfer-id",
+        "orphan",
+        "--tokens",
+        "512",
+        "--layers",
+        "4",
+        "--frame-delay-ms",
+        "100",
     ]);
     wait_for(&lines, "sent 2");
     peer.0.kill().expect("kill sender");
@@ -194,9 +217,8 @@ async fn peer_processes_complete_a_transfer() {
         spawn(&["receive", "--transfer-id", "ok", "--tokens", "300", "--layers", "3", "--lease-ms", "20000"]);
     let addr = wait_for(&lines, "listening ").trim_start_matches("listening ").to_string();
     let ids = wait_for(&lines, "blocks ").trim_start_matches("blocks ").to_string();
-    let (_sender, sender_lines) = spawn(&[
-        "send", "--to", &addr, "--block-ids", &ids, "--transfer-id", "ok", "--tokens", "300", "--layers", "3",
-    ]);
+    let (_sender, sender_lines) =
+        spawn(&["send", "--to", &addr, "--block-ids", &ids, "--transfer-id", "ok", "--tokens", "300", "--layers", "3"]);
     wait_for(&sender_lines, "committed");
     assert!(wait_for(&lines, "outcome").starts_with("outcome committed"));
     assert_eq!(wait_for(&lines, "free_blocks"), "free_blocks 19 of 19");

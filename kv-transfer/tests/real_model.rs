@@ -31,9 +31,8 @@ async fn prefill_transfer_decode_gives_the_uninterrupted_greedy_tokens() {
     let registry = KvRegistry::new(decode.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let server = GrpcKvReceiver::start(registry.clone(), listener).expect("receiver");
-    let sender = GrpcKvSender::connect(&server.local_addr().to_string(), Duration::from_secs(10))
-        .await
-        .expect("connect");
+    let sender =
+        GrpcKvSender::connect(&server.local_addr().to_string(), Duration::from_secs(10)).await.expect("connect");
     let mut greedy = SamplingParams::greedy(20);
     greedy.ignore_eos = true;
 
@@ -62,7 +61,9 @@ async fn prefill_transfer_decode_gives_the_uninterrupted_greedy_tokens() {
                 })
                 .expect("reservation");
             // Chunks of 16 tokens: the last chunk ships layers while later layers compute.
-            let sent = prefill_and_send(prefill.clone(), prompt.clone(), 16, header, &sender, &greedy, &Unscheduled).await.expect("sent");
+            let sent = prefill_and_send(prefill.clone(), prompt.clone(), 16, header, &sender, &greedy, &Unscheduled)
+                .await
+                .expect("sent");
             drop(sent.source);
             let committed = outcome.await.expect("outcome").expect("committed");
             assert_eq!(committed.first_token, expected[0]);

@@ -148,11 +148,8 @@ mod tests {
         let order = Arc::new(Mutex::new(Vec::new()));
         let now = Instant::now();
         let held = gate.turn(2048, now).await;
-        let tasks = vec![
-            waiter(&gate, 1536, now, &order),
-            waiter(&gate, 64, now, &order),
-            waiter(&gate, 300, now, &order),
-        ];
+        let tasks =
+            vec![waiter(&gate, 1536, now, &order), waiter(&gate, 64, now, &order), waiter(&gate, 300, now, &order)];
         tokio::time::sleep(Duration::from_millis(20)).await;
         // A prompt that has waited for its turn longer than max_wait: it goes first.
         let old = waiter(&gate, 4000, now - Duration::from_secs(10), &order);

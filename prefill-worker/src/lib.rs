@@ -56,7 +56,13 @@ pub async fn run(
         let config = config.clone();
         tokio::task::spawn_blocking(move || Engine::load(&config.model, config.load, config.cache)).await??
     };
-    let service = PrefillService::new(Arc::new(engine), config.chunk, config.kv_timeout, config.max_wait, PrefillMetrics::register(&metrics));
+    let service = PrefillService::new(
+        Arc::new(engine),
+        config.chunk,
+        config.kv_timeout,
+        config.max_wait,
+        PrefillMetrics::register(&metrics),
+    );
     let scraped = service.clone();
     metrics.on_scrape(move || scraped.refresh_gauges());
     let draining = service.clone();
@@ -68,7 +74,11 @@ pub async fn run(
         ready_flag.send_replace(false);
         draining.stop_accepting();
         let deadline = Instant::now() + grace;
-        tracing::info!(in_flight = draining.in_flight(), grace_ms = grace.as_millis() as u64, "shutting down: refusing new prefills");
+        tracing::info!(
+            in_flight = draining.in_flight(),
+            grace_ms = grace.as_millis() as u64,
+            "shutting down: refusing new prefills"
+        );
         while draining.in_flight() > 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

@@ -11,12 +11,12 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use pb::prefill_worker_server::PrefillWorker;
 use pd_engine::{Engine, SamplingParams, WireDType};
 use pd_kv_transfer::engine_io::{geometry_of, prefill_and_send, ChunkScheduler};
 use pd_kv_transfer::grpc::GrpcKvSender;
 use pd_kv_transfer::{KvGeometry, TransferError, TransferHeader};
 use pd_proto::v1 as pb;
-use pb::prefill_worker_server::PrefillWorker;
 use pd_telemetry::metrics::PrefillMetrics;
 use pd_telemetry::opentelemetry::KeyValue;
 use pd_telemetry::{input_bucket, RequestClass, StageSpan};
@@ -154,7 +154,13 @@ fn geometry_from_target(t: &pb::KvTarget) -> Result<KvGeometry, Status> {
 impl PrefillService {
     /// `max_wait`: a prompt waiting longer than this for a chunk's turn goes before shorter
     /// ones (no starvation).
-    pub fn new(engine: Arc<Engine>, chunk: usize, kv_timeout: Duration, max_wait: Duration, metrics: PrefillMetrics) -> Self {
+    pub fn new(
+        engine: Arc<Engine>,
+        chunk: usize,
+        kv_timeout: Duration,
+        max_wait: Duration,
+        metrics: PrefillMetrics,
+    ) -> Self {
         PrefillService {
             engine,
             gate: ChunkGate::new(max_wait),

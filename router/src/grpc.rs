@@ -3,17 +3,17 @@
 use std::sync::Arc;
 
 use futures_util::StreamExt;
+use pb::generation_server::Generation;
 use pd_engine::ChatMessage;
 use pd_proto::v1 as pb;
-use pb::generation_server::Generation;
 use tonic::{Request, Response, Status};
 
 use crate::error::RouterError;
 use crate::http::AppState;
 use crate::lifecycle::{self, Update};
 use crate::record::Arrival;
-use pd_telemetry::RequestClass;
 use crate::validate::{Kind, ValidRequest};
+use pd_telemetry::RequestClass;
 
 /// The Generation service.
 #[derive(Debug, Clone)]
@@ -26,12 +26,24 @@ fn validate(state: &AppState, req: pb::GenerateRequest) -> Result<ValidRequest, 
         return Err(RouterError::ModelNotFound(req.model));
     }
     let (kind, prompt_tokens) = match (req.prompt.is_empty(), req.messages.is_empty()) {
-        (false, true) => (Kind::Completion, state.text.tokenizer.encode(&req.prompt).map_err(|e| RouterError::invalid("prompt", e.to_string()))?),
+        (false, true) => (
+            Kind::Completion,
+            state.text.tokenizer.encode(&req.prompt).map_err(|e| RouterError::invalid("prompt", e.to_string()))?,
+        ),
         (true, false) => {
-            let messages: Vec<ChatMessage> = req.messages.iter().map(|m| ChatMessage::new(&m.role, &m.content)).collect();
-            let template = state.text.chat_template.as_ref().ok_or_else(|| RouterError::invalid("messages", "the model has no chat template"))?;
-            let prompt = template.render(&messages, true).map_err(|e| RouterError::invalid("messages", e.to_string()))?;
-            (Kind::Chat, state.text.tokenizer.encode(&prompt).map_err(|e| RouterError::invalid("messages", e.to_string()))?)
+            let messages: Vec<ChatMessage> =
+                req.messages.iter().map(|m| ChatMessage::new(&m.role, &m.content)).collect();
+            let template = state
+                .text
+                .chat_template
+                .as_ref()
+                .ok_or_else(|| RouterError::invalid("messages", "the model has no chat template"))?;
+            let prompt =
+                template.render(&messages, true).map_err(|e| RouterError::invalid("messages", e.to_string()))?;
+            (
+                Kind::Chat,
+                state.text.tokenizer.encode(&prompt).map_err(|e| RouterError::invalid("messages", e.to_string()))?,
+            )
         }
         _ => return Err(RouterError::invalid("prompt", "set exactly one of `prompt` and `messages`")),
     };
@@ -43,10 +55,16 @@ fn validate(state: &AppState, req: pb::GenerateRequest) -> Result<ValidRequest, 
         sampling.max_tokens = state.limits.default_completion_tokens;
     }
     if sampling.max_tokens > state.limits.max_tokens {
-        return Err(RouterError::invalid("sampling.max_tokens", format!("at most {} is allowed", state.limits.max_tokens)));
+        return Err(RouterError::invalid(
+            "sampling.max_tokens",
+            format!("at most {} is allowed", state.limits.max_tokens),
+        ));
     }
     if prompt_tokens.len() + sampling.max_tokens as usize > state.text.max_position {
-        return Err(RouterError::invalid("sampling.max_tokens", format!("prompt + max_tokens exceed the context length of {}", state.text.max_position)));
+        return Err(RouterError::invalid(
+            "sampling.max_tokens",
+            format!("prompt + max_tokens exceed the context length of {}", state.text.max_position),
+        ));
     }
     if !(sampling.temperature >= 0.0 && sampling.temperature <= 2.0) {
         return Err(RouterError::invalid("sampling.temperature", "must be between 0 and 2"));
@@ -54,12 +72,20 @@ fn validate(state: &AppState, req: pb::GenerateRequest) -> Result<ValidRequest, 
     if !(sampling.top_p >= 0.0 && sampling.top_p <= 1.0) {
         return Err(RouterError::invalid("sampling.top_p", "must be in (0, 1] (0 = off)"));
     }
-    Ok(ValidRequest { kind, model: state.model_name.clone(), prompt_tokens, sampling, stream: true, include_usage: true })
+    Ok(ValidRequest {
+        kind,
+        model: state.model_name.clone(),
+        prompt_tokens,
+        sampling,
+        stream: true,
+        include_usage: true,
+    })
 }
 
 #[tonic::async_trait]
 impl Generation for GenerationService {
-    type GenerateStream = std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+    type GenerateStream =
+        std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
 
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
         let arrival = Arrival::new(&pd_telemetry::otel::extract_metadata(request.metadata()));

@@ -21,10 +21,10 @@ use serde_json::json;
 use crate::error::RouterError;
 use crate::lifecycle::{self, Update};
 use crate::record::{Arrival, RequestRecord};
-use pd_telemetry::metrics::RouterMetrics;
-use pd_telemetry::{Metrics, RequestClass};
 use crate::validate::{validate, Kind, Limits, ValidRequest};
 use crate::workers::Pools;
+use pd_telemetry::metrics::RouterMetrics;
+use pd_telemetry::{Metrics, RequestClass};
 
 /// What the HTTP and gRPC front ends share.
 #[derive(Debug)]
@@ -71,7 +71,8 @@ impl AppState {
                 Ok((req, record))
             }
             Err(e) => {
-                let record = arrival.into_record(self.router_metrics.clone(), request_id, RequestClass::default_class(), None);
+                let record =
+                    arrival.into_record(self.router_metrics.clone(), request_id, RequestClass::default_class(), None);
                 record.fail(&e);
                 Err(e)
             }
@@ -108,7 +109,8 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
     let mut bytes = Vec::new();
     let mut total = 0usize;
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| RouterError::InvalidRequest { message: format!("reading the body: {e}"), param: None })?;
+        let chunk = chunk
+            .map_err(|e| RouterError::InvalidRequest { message: format!("reading the body: {e}"), param: None })?;
         total += chunk.len();
         if total <= state.body_limit {
             bytes.extend_from_slice(&chunk);
@@ -178,7 +180,9 @@ async fn collect_response(
             Ok(Update::Token { text: t, .. }) => text.push_str(&t),
             Ok(Update::Done { finish_reason, prompt_tokens, completion_tokens }) => {
                 let choice = match req.kind {
-                    Kind::Completion => json!({ "index": 0, "text": text, "finish_reason": finish_reason, "logprobs": null }),
+                    Kind::Completion => {
+                        json!({ "index": 0, "text": text, "finish_reason": finish_reason, "logprobs": null })
+                    }
                     Kind::Chat => json!({
                         "index": 0,
                         "message": { "role": "assistant", "content": text },
@@ -228,7 +232,9 @@ fn stream_response(
             Ok(Update::Token { text, .. }) => {
                 let choice = match kind {
                     Kind::Completion => json!({ "index": 0, "text": text, "finish_reason": null }),
-                    Kind::Chat if first => json!({ "index": 0, "delta": { "role": "assistant", "content": text }, "finish_reason": null }),
+                    Kind::Chat if first => {
+                        json!({ "index": 0, "delta": { "role": "assistant", "content": text }, "finish_reason": null })
+                    }
                     Kind::Chat => json!({ "index": 0, "delta": { "content": text }, "finish_reason": null }),
                 };
                 first = false;

@@ -11,12 +11,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pd_proto::v1 as pb;
 use pb::decode_event::Event;
 use pb::decode_worker_client::DecodeWorkerClient;
 use pb::prefill_worker_client::PrefillWorkerClient;
-use pd_telemetry::opentelemetry::{Context, KeyValue};
+use pd_proto::v1 as pb;
 use pd_telemetry::metrics::RouterMetrics;
+use pd_telemetry::opentelemetry::{Context, KeyValue};
 use pd_telemetry::{RequestClass, StageSpan};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -39,7 +39,9 @@ pub enum Update {
 
 fn decode_error(status: tonic::Status) -> RouterError {
     match status.code() {
-        tonic::Code::InvalidArgument => RouterError::InvalidRequest { message: status.message().to_string(), param: None },
+        tonic::Code::InvalidArgument => {
+            RouterError::InvalidRequest { message: status.message().to_string(), param: None }
+        }
         tonic::Code::ResourceExhausted => RouterError::Overloaded(status.message().to_string()),
         _ => RouterError::Worker { stage: "decode", message: status.message().to_string() },
     }
@@ -149,7 +151,10 @@ pub async fn start(
     let prefill = remote.map(|(target, first_prefill)| {
         let lease_left = Duration::from_millis(
             target.lease_deadline_unix_ms.saturating_sub(
-                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_millis() as u64)
+                    .unwrap_or(0),
             ),
         );
         let prefill_req = pb::PrefillRequest {
@@ -213,9 +218,17 @@ pub async fn start(
                 Ok(Some(pb::DecodeEvent { event: Some(Event::Finished(f)) })) => {
                     if f.prefill_ms > 0.0 {
                         // Prefilled on the decode worker, which measured it.
-                        record.prefilled(PrefillTimings { queue_ms: f.queue_ms, prefill_ms: f.prefill_ms, kv_commit_ms: 0.0 });
+                        record.prefilled(PrefillTimings {
+                            queue_ms: f.queue_ms,
+                            prefill_ms: f.prefill_ms,
+                            kv_commit_ms: 0.0,
+                        });
                     }
-                    record.decoded(DecodeTimings { kv_transfer_ms: f.kv_transfer_ms, decode_ms: f.decode_ms, kv_bytes: f.kv_bytes });
+                    record.decoded(DecodeTimings {
+                        kv_transfer_ms: f.kv_transfer_ms,
+                        decode_ms: f.decode_ms,
+                        kv_bytes: f.kv_bytes,
+                    });
                     Ok(Update::Done {
                         finish_reason: f.finish_reason,
                         prompt_tokens: f.prompt_tokens,
@@ -223,7 +236,9 @@ pub async fn start(
                     })
                 }
                 Ok(Some(_)) => continue,
-                Ok(None) => Err(RouterError::Worker { stage: "decode", message: "the stream ended without finishing".into() }),
+                Ok(None) => {
+                    Err(RouterError::Worker { stage: "decode", message: "the stream ended without finishing".into() })
+                }
                 Err(status) => Err(decode_error(status)),
             };
             match &update {
@@ -237,7 +252,9 @@ pub async fn start(
                     // The prefill response normally arrived long before the last token; wait
                     // briefly for it so the record carries the prefill worker's timings.
                     if let (true, Some(task)) = (prefill_pending, prefill.as_mut()) {
-                        if let Ok(Ok(Ok((worker, timings)))) = tokio::time::timeout(Duration::from_millis(200), &mut task.0).await {
+                        if let Ok(Ok(Ok((worker, timings)))) =
+                            tokio::time::timeout(Duration::from_millis(200), &mut task.0).await
+                        {
                             record.prefill_worker = worker;
                             record.prefilled(timings);
                         }
@@ -296,7 +313,10 @@ async fn prefill_with_retries(
         match tokio::time::timeout(left, client.prefill(traced(request.clone(), &cx, &class))).await {
             Ok(Ok(response)) => {
                 let r = response.into_inner();
-                return Ok((addr, PrefillTimings { queue_ms: r.queue_ms, prefill_ms: r.prefill_ms, kv_commit_ms: r.kv_commit_ms }));
+                return Ok((
+                    addr,
+                    PrefillTimings { queue_ms: r.queue_ms, prefill_ms: r.prefill_ms, kv_commit_ms: r.kv_commit_ms },
+                ));
             }
             Ok(Err(status)) => {
                 let retryable = matches!(

@@ -60,7 +60,11 @@ async fn main() -> anyhow::Result<()> {
         prefill_workers: args.prefill,
         decode_workers: args.decode,
         local_prefill_max_tokens: args.local_prefill_max_tokens,
-        limits: pd_router::Limits { max_tokens: args.max_tokens, default_completion_tokens: 16, default_chat_tokens: 512 },
+        limits: pd_router::Limits {
+            max_tokens: args.max_tokens,
+            default_completion_tokens: 16,
+            default_chat_tokens: 512,
+        },
         body_limit: args.body_limit,
         drain_delay: std::time::Duration::from_millis(args.drain_delay_ms),
     };

@@ -34,7 +34,13 @@ impl Arrival {
 
     /// Ends the queue span and opens the request's record (`req` is None when validation
     /// failed: the caller then fails the record with the error).
-    pub fn into_record(self, metrics: RouterMetrics, request_id: String, class: RequestClass, req: Option<&ValidRequest>) -> RequestRecord {
+    pub fn into_record(
+        self,
+        metrics: RouterMetrics,
+        request_id: String,
+        class: RequestClass,
+        req: Option<&ValidRequest>,
+    ) -> RequestRecord {
         let Arrival { arrived, root, queue } = self;
         queue.end();
         if let Some(r) = req {

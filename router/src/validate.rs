@@ -72,7 +72,11 @@ fn stop_list(body: &Map<String, Value>) -> Result<Vec<String>, RouterError> {
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(items)) => items
             .iter()
-            .map(|v| v.as_str().map(str::to_string).ok_or_else(|| RouterError::invalid("stop", "`stop` must be a string or a list of strings")))
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| RouterError::invalid("stop", "`stop` must be a string or a list of strings"))
+            })
             .collect::<Result<_, _>>()?,
         Some(_) => return Err(RouterError::invalid("stop", "`stop` must be a string or a list of strings")),
     };
@@ -86,7 +90,13 @@ fn stop_list(body: &Map<String, Value>) -> Result<Vec<String>, RouterError> {
 }
 
 /// Parses and checks one request body.
-pub fn validate(kind: Kind, body: &[u8], text: &TextSide, served_model: &str, limits: &Limits) -> Result<ValidRequest, RouterError> {
+pub fn validate(
+    kind: Kind,
+    body: &[u8],
+    text: &TextSide,
+    served_model: &str,
+    limits: &Limits,
+) -> Result<ValidRequest, RouterError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| RouterError::InvalidRequest { message: format!("invalid JSON body: {e}"), param: None })?;
     let Value::Object(body) = value else {
@@ -99,8 +109,33 @@ pub fn validate(kind: Kind, body: &[u8], text: &TextSide, served_model: &str, li
         Some(_) => return Err(RouterError::invalid("model", "`model` must be a string")),
     };
     let known: &[&str] = match kind {
-        Kind::Completion => &["model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "ignore_eos"],
-        Kind::Chat => &["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "ignore_eos"],
+        Kind::Completion => &[
+            "model",
+            "prompt",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "seed",
+            "stop",
+            "stream",
+            "stream_options",
+            "n",
+            "ignore_eos",
+        ],
+        Kind::Chat => &[
+            "model",
+            "messages",
+            "max_tokens",
+            "max_completion_tokens",
+            "temperature",
+            "top_p",
+            "seed",
+            "stop",
+            "stream",
+            "stream_options",
+            "n",
+            "ignore_eos",
+        ],
     };
     if let Some(field) = body.keys().find(|k| !known.contains(&k.as_str()) && !IGNORED.contains(&k.as_str())) {
         return Err(RouterError::invalid(field, format!("`{field}` is not supported by this server")));
@@ -115,8 +150,15 @@ pub fn validate(kind: Kind, body: &[u8], text: &TextSide, served_model: &str, li
             let prompt = match body.get("prompt") {
                 None | Some(Value::Null) => return Err(RouterError::invalid("prompt", "`prompt` is required")),
                 Some(Value::String(p)) => p.clone(),
-                Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => items[0].as_str().unwrap_or_default().to_string(),
-                Some(Value::Array(_)) => return Err(RouterError::invalid("prompt", "`prompt` must be one string (batches are not supported)")),
+                Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
+                    items[0].as_str().unwrap_or_default().to_string()
+                }
+                Some(Value::Array(_)) => {
+                    return Err(RouterError::invalid(
+                        "prompt",
+                        "`prompt` must be one string (batches are not supported)",
+                    ))
+                }
                 Some(_) => return Err(RouterError::invalid("prompt", "`prompt` must be a string")),
             };
             if prompt.is_empty() {
@@ -139,9 +181,17 @@ pub fn validate(kind: Kind, body: &[u8], text: &TextSide, served_model: &str, li
                 .map(|(i, m)| {
                     let field = |name: &str| m.get(name).and_then(Value::as_str);
                     match (field("role"), field("content")) {
-                        (Some(role @ ("system" | "user" | "assistant")), Some(content)) => Ok(ChatMessage::new(role, content)),
-                        (Some(role), Some(_)) => Err(RouterError::invalid(&format!("messages[{i}].role"), format!("role `{role}` is not system, user or assistant"))),
-                        _ => Err(RouterError::invalid(&format!("messages[{i}]"), "each message needs a string `role` and `content`")),
+                        (Some(role @ ("system" | "user" | "assistant")), Some(content)) => {
+                            Ok(ChatMessage::new(role, content))
+                        }
+                        (Some(role), Some(_)) => Err(RouterError::invalid(
+                            &format!("messages[{i}].role"),
+                            format!("role `{role}` is not system, user or assistant"),
+                        )),
+                        _ => Err(RouterError::invalid(
+                            &format!("messages[{i}]"),
+                            "each message needs a string `role` and `content`",
+                        )),
                     }
                 })
                 .collect::<Result<_, _>>()?;
@@ -149,28 +199,42 @@ pub fn validate(kind: Kind, body: &[u8], text: &TextSide, served_model: &str, li
                 .chat_template
                 .as_ref()
                 .ok_or_else(|| RouterError::invalid("messages", "the model has no chat template"))?;
-            let prompt = template.render(&messages, true).map_err(|e| RouterError::invalid("messages", e.to_string()))?;
+            let prompt =
+                template.render(&messages, true).map_err(|e| RouterError::invalid("messages", e.to_string()))?;
             text.tokenizer.encode(&prompt).map_err(|e| RouterError::invalid("messages", e.to_string()))?
         }
     };
     let context = text.max_position;
     if prompt_tokens.len() >= context {
         let field = if kind == Kind::Chat { "messages" } else { "prompt" };
-        return Err(RouterError::invalid(field, format!("the prompt has {} tokens; the context length is {context}", prompt_tokens.len())));
+        return Err(RouterError::invalid(
+            field,
+            format!("the prompt has {} tokens; the context length is {context}", prompt_tokens.len()),
+        ));
     }
     let room = (context - prompt_tokens.len()) as u64;
     let max_field = if body.contains_key("max_completion_tokens") { "max_completion_tokens" } else { "max_tokens" };
     let max_tokens = match integer(&body, max_field)? {
         Some(0) => return Err(RouterError::invalid(max_field, format!("`{max_field}` must be at least 1"))),
         Some(n) if n > limits.max_tokens as u64 => {
-            return Err(RouterError::invalid(max_field, format!("`{max_field}` is {n}; this server allows at most {}", limits.max_tokens)));
+            return Err(RouterError::invalid(
+                max_field,
+                format!("`{max_field}` is {n}; this server allows at most {}", limits.max_tokens),
+            ));
         }
         Some(n) if n > room => {
-            return Err(RouterError::invalid(max_field, format!("prompt ({} tokens) + `{max_field}` ({n}) exceed the context length of {context}", prompt_tokens.len())));
+            return Err(RouterError::invalid(
+                max_field,
+                format!(
+                    "prompt ({} tokens) + `{max_field}` ({n}) exceed the context length of {context}",
+                    prompt_tokens.len()
+                ),
+            ));
         }
         Some(n) => n as u32,
         None => {
-            let default = if kind == Kind::Chat { limits.default_chat_tokens } else { limits.default_completion_tokens };
+            let default =
+                if kind == Kind::Chat { limits.default_chat_tokens } else { limits.default_completion_tokens };
             default.min(room as u32)
         }
     };

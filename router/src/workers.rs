@@ -6,9 +6,9 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use pd_proto::v1 as pb;
 use pb::decode_worker_client::DecodeWorkerClient;
 use pb::prefill_worker_client::PrefillWorkerClient;
+use pd_proto::v1 as pb;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::error::RouterError;

@@ -57,7 +57,10 @@ impl RequestClass {
         if ok {
             Ok(RequestClass(s.to_string()))
         } else {
-            Err(format!("class `{}` must be 1-32 characters of a-z, 0-9, `_` and `-`", s.chars().take(40).collect::<String>()))
+            Err(format!(
+                "class `{}` must be 1-32 characters of a-z, 0-9, `_` and `-`",
+                s.chars().take(40).collect::<String>()
+            ))
         }
     }
 
@@ -190,11 +193,16 @@ pub struct PrefillMetrics {
 impl PrefillMetrics {
     pub fn register(m: &Metrics) -> Self {
         PrefillMetrics {
-            queue_time: m.histogram(names::QUEUE_TIME, "Prefill request arrival to the start of its compute.", STAGE_LABELS),
+            queue_time: m.histogram(
+                names::QUEUE_TIME,
+                "Prefill request arrival to the start of its compute.",
+                STAGE_LABELS,
+            ),
             prefill_time: m.histogram(names::PREFILL_TIME, "Prefill compute, first chunk to last layer.", STAGE_LABELS),
             kv_transfer_bytes: m.counter(names::KV_TRANSFER_BYTES, "KV bytes sent to decode workers and committed."),
             waiting_tokens: m.gauge(names::WAITING_PREFILL_TOKENS, "Prompt tokens of queued and running prefills."),
-            oldest_age: m.gauge(names::QUEUE_OLDEST_AGE, "Age of the oldest prefill still waiting to start (0 when none)."),
+            oldest_age: m
+                .gauge(names::QUEUE_OLDEST_AGE, "Age of the oldest prefill still waiting to start (0 when none)."),
             rejected: m.counter_vec(names::REJECTED, "Prefill requests refused, by reason.", &["reason"]),
         }
     }
@@ -215,9 +223,17 @@ pub struct DecodeMetrics {
 impl DecodeMetrics {
     pub fn register(m: &Metrics) -> Self {
         DecodeMetrics {
-            kv_transfer_time: m.histogram(names::KV_TRANSFER_TIME, "KV receive, header accepted to commit.", STAGE_LABELS),
+            kv_transfer_time: m.histogram(
+                names::KV_TRANSFER_TIME,
+                "KV receive, header accepted to commit.",
+                STAGE_LABELS,
+            ),
             kv_transfer_bytes: m.counter(names::KV_TRANSFER_BYTES, "KV bytes received and committed."),
-            decode_time: m.histogram(names::DECODE_TIME, "First token to last token on the decode worker.", STAGE_LABELS),
+            decode_time: m.histogram(
+                names::DECODE_TIME,
+                "First token to last token on the decode worker.",
+                STAGE_LABELS,
+            ),
             running: m.gauge(names::RUNNING_DECODE_SEQUENCES, "Sequences in the running decode batch."),
             kv_usage: m.gauge(names::KV_CACHE_USAGE, "Used KV blocks / all KV blocks (reservations included)."),
             // Whole outputs are reserved at admission, so nothing is ever preempted; the
@@ -261,7 +277,12 @@ mod tests {
         let g2 = g.clone();
         m.on_scrape(move || g2.set(7.0));
         let text = m.render();
-        assert!(text.contains("pd_time_to_first_token_seconds_bucket{class=\"interactive\",input_bucket=\"1-128\",le=\"0.25\"} 1"), "{text}");
+        assert!(
+            text.contains(
+                "pd_time_to_first_token_seconds_bucket{class=\"interactive\",input_bucket=\"1-128\",le=\"0.25\"} 1"
+            ),
+            "{text}"
+        );
         assert!(text.contains("pd_time_to_first_token_seconds_count{class=\"interactive\",input_bucket=\"1-128\"} 1"));
         assert!(text.contains("pd_test_gauge 7"));
         assert!(text.contains("le=\"300\""));

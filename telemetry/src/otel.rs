@@ -293,7 +293,10 @@ mod tests {
     fn context_round_trips_through_maps_and_metadata() {
         let cx = remote_parent();
         let map = inject_map(&cx);
-        assert_eq!(map.get("traceparent").map(String::as_str), Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"));
+        assert_eq!(
+            map.get("traceparent").map(String::as_str),
+            Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+        );
         let back = extract_map(&map);
         assert_eq!(back.span().span_context().trace_id(), cx.span().span_context().trace_id());
 

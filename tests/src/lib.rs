@@ -93,7 +93,9 @@ pub struct Options {
 /// the lines printed up to it (the last one without its prefix).
 fn spawn(name: &str, args: &[String], prefix: &str, options: &Options, log: Option<PathBuf>) -> (Proc, Vec<String>) {
     let stderr = match &log {
-        Some(path) => Stdio::from(std::fs::File::create(path).unwrap_or_else(|e| panic!("log file {}: {e}", path.display()))),
+        Some(path) => {
+            Stdio::from(std::fs::File::create(path).unwrap_or_else(|e| panic!("log file {}: {e}", path.display())))
+        }
         None => Stdio::inherit(),
     };
     let mut child = Command::new(binary(name))
@@ -169,7 +171,16 @@ impl Cluster {
         let model = model.to_str().expect("utf-8 path");
         let logs = options.capture_logs.then(|| tempfile::tempdir().expect("log folder"));
         let log = |name: &str| logs.as_ref().map(|d| d.path().join(format!("{name}.log")));
-        let mut args = strings(&["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--model", model, "--kv-blocks", "1024"]);
+        let mut args = strings(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--model",
+            model,
+            "--kv-blocks",
+            "1024",
+        ]);
         args.extend(options.decode_args.iter().cloned());
         let (decode, lines) = spawn("pd-decode", &args, "pd-decode listening on", &options, log("pd-decode"));
         let decode_addr = lines.last().cloned().unwrap_or_default();
@@ -180,7 +191,8 @@ impl Cluster {
         for i in 0..options.prefill {
             let mut args = strings(&["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--model", model]);
             args.extend(options.prefill_args.iter().cloned());
-            let (p, lines) = spawn("pd-prefill", &args, "pd-prefill listening on", &options, log(&format!("pd-prefill-{i}")));
+            let (p, lines) =
+                spawn("pd-prefill", &args, "pd-prefill listening on", &options, log(&format!("pd-prefill-{i}")));
             workers.push(p);
             addrs.push(lines.last().cloned().unwrap_or_default());
             prefill_metrics.push(printed(&lines, "pd-prefill metrics on"));
@@ -245,9 +257,10 @@ impl Cluster {
 
     /// The decode worker's load report.
     pub async fn decode_load(&self) -> pd_proto::v1::DecodeLoad {
-        let mut client = pd_proto::v1::decode_worker_client::DecodeWorkerClient::connect(format!("http://{}", self.decode_addr))
-            .await
-            .expect("connect to the decode worker");
+        let mut client =
+            pd_proto::v1::decode_worker_client::DecodeWorkerClient::connect(format!("http://{}", self.decode_addr))
+                .await
+                .expect("connect to the decode worker");
         client.load(pd_proto::v1::LoadRequest {}).await.expect("load").into_inner()
     }
 
@@ -268,8 +281,12 @@ impl Cluster {
 
     /// A prefill worker's load report.
     pub async fn prefill_load(&self, i: usize) -> Option<pd_proto::v1::PrefillLoad> {
-        let mut client =
-            pd_proto::v1::prefill_worker_client::PrefillWorkerClient::connect(format!("http://{}", self.prefill_addrs[i])).await.ok()?;
+        let mut client = pd_proto::v1::prefill_worker_client::PrefillWorkerClient::connect(format!(
+            "http://{}",
+            self.prefill_addrs[i]
+        ))
+        .await
+        .ok()?;
         client.load(pd_proto::v1::LoadRequest {}).await.ok().map(|r| r.into_inner())
     }
 }

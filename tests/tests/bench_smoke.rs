@@ -29,12 +29,20 @@ async fn pd_bench_writes_a_consistent_report() {
         .arg(out.path())
         .output()
         .expect("run pd-bench");
-    assert!(run.status.success(), "pd-bench failed:\n{}\n{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
+    assert!(
+        run.status.success(),
+        "pd-bench failed:\n{}\n{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
     for file in ["summary.json", "requests.json", "report.md", "ttft.svg", "itl.svg", "timeline.svg"] {
         assert!(out.path().join(file).is_file(), "{file} missing");
     }
-    let summary: Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("summary.json")).expect("summary")).expect("json");
-    let requests: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(out.path().join("requests.json")).expect("raw")).expect("json");
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("summary.json")).expect("summary"))
+            .expect("json");
+    let requests: Vec<Value> =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("requests.json")).expect("raw")).expect("json");
     assert!(requests.len() >= 8, "the smoke run sends requests: {}", requests.len());
 
     // Raw data: no errors, exact output lengths, usage = streamed tokens.
@@ -79,7 +87,11 @@ async fn pd_bench_writes_a_consistent_report() {
         // ITL samples = tokens - 1 per request.
         let class = row["class"].as_str().expect("class");
         if row["input_bucket"] == "all" || rows.iter().filter(|r| r["class"] == class).count() == 1 {
-            let gaps: u64 = requests.iter().filter(|r| r["class"] == class).map(|r| r["token_ms"].as_array().map_or(0, |t| t.len() as u64 - 1)).sum();
+            let gaps: u64 = requests
+                .iter()
+                .filter(|r| r["class"] == class)
+                .map(|r| r["token_ms"].as_array().map_or(0, |t| t.len() as u64 - 1))
+                .sum();
             assert_eq!(row["itl_ms"]["count"].as_u64(), Some(gaps), "{class}: every gap pooled");
         }
     }

@@ -52,8 +52,12 @@ async fn reflection_lists_the_generation_service(cluster: &Cluster) {
         .await
         .expect("connect");
     let mut client = ServerReflectionClient::new(channel);
-    let request = ServerReflectionRequest { host: String::new(), message_request: Some(MessageRequest::ListServices(String::new())) };
-    let mut responses = client.server_reflection_info(tokio_stream_once(request)).await.expect("reflection call").into_inner();
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut responses =
+        client.server_reflection_info(tokio_stream_once(request)).await.expect("reflection call").into_inner();
     let response = responses.message().await.expect("reply").expect("one reply");
     let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
         panic!("expected a service list, got {:?}", response.message_response);
@@ -67,7 +71,8 @@ fn tokio_stream_once<T: Send + 'static>(item: T) -> impl futures_util::Stream<It
 }
 
 async fn greedy_matches_the_engine(cluster: &Cluster, engine: &Engine) {
-    let mut grpc = pb::generation_client::GenerationClient::connect(format!("http://{}", cluster.grpc)).await.expect("grpc");
+    let mut grpc =
+        pb::generation_client::GenerationClient::connect(format!("http://{}", cluster.grpc)).await.expect("grpc");
     for question in QUESTIONS {
         let prompt = engine.chat_prompt(&[ChatMessage::new("user", question)]).expect("prompt");
         let expected = engine.generate(&prompt, &SamplingParams::greedy(24), 512, |_| {}).expect("engine");
@@ -111,10 +116,15 @@ async fn sse_streams_incrementally(cluster: &Cluster) {
     )
     .await;
     assert_eq!(events.last().map(|(_, d)| d.as_str()), Some("[DONE]"));
-    let chunks: Vec<(Instant, Value)> =
-        events.iter().filter(|(_, d)| d != "[DONE]").map(|(t, d)| (*t, serde_json::from_str(d).expect("json"))).collect();
-    let content: Vec<&(Instant, Value)> =
-        chunks.iter().filter(|(_, c)| c["choices"][0]["delta"]["content"].as_str().is_some_and(|s| !s.is_empty())).collect();
+    let chunks: Vec<(Instant, Value)> = events
+        .iter()
+        .filter(|(_, d)| d != "[DONE]")
+        .map(|(t, d)| (*t, serde_json::from_str(d).expect("json")))
+        .collect();
+    let content: Vec<&(Instant, Value)> = chunks
+        .iter()
+        .filter(|(_, c)| c["choices"][0]["delta"]["content"].as_str().is_some_and(|s| !s.is_empty()))
+        .collect();
     assert!(content.len() > 10, "tokens arrive one by one ({} content chunks)", content.len());
     let first = content[0].0 - started;
     let last = content[content.len() - 1].0 - started;
@@ -123,7 +133,10 @@ async fn sse_streams_incrementally(cluster: &Cluster) {
     let finish = chunks.iter().find_map(|(_, c)| c["choices"][0]["finish_reason"].as_str().map(str::to_string));
     assert!(finish.is_some(), "a finish reason is sent");
     assert!(usage["completion_tokens"].as_u64().is_some_and(|n| n as usize >= content.len() && n <= 48), "{usage}");
-    assert_eq!(usage["total_tokens"].as_u64(), Some(usage["prompt_tokens"].as_u64().unwrap_or(0) + usage["completion_tokens"].as_u64().unwrap_or(0)));
+    assert_eq!(
+        usage["total_tokens"].as_u64(),
+        Some(usage["prompt_tokens"].as_u64().unwrap_or(0) + usage["completion_tokens"].as_u64().unwrap_or(0))
+    );
 }
 
 async fn sixteen_concurrent_streams_are_batched(cluster: &Cluster) {
@@ -225,7 +238,12 @@ async fn bad_input_gets_the_right_status(cluster: &Cluster) {
     }
     let _ = completions;
     // Still serving.
-    let (s, b) = post(cluster, "/v1/completions", json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})).await;
+    let (s, b) = post(
+        cluster,
+        "/v1/completions",
+        json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}),
+    )
+    .await;
     assert_eq!(s, 200, "{b}");
     let models: Value = client.get(cluster.url("/v1/models")).send().await.expect("models").json().await.expect("json");
     assert_eq!(models["data"][0]["id"], "SmolLM2-135M-Instruct");

@@ -37,7 +37,8 @@ fn engine_answer(engine: &Engine, question: &str) -> String {
 }
 
 async fn colocated_matches_engine(policy: &str) {
-    let options = Options { prefill: 0, decode_args: vec!["--prefill-policy".into(), policy.into()], ..Options::default() };
+    let options =
+        Options { prefill: 0, decode_args: vec!["--prefill-policy".into(), policy.into()], ..Options::default() };
     let cluster = Cluster::start_with(options).await;
     let engine = Engine::load(&model_path(), LoadOptions::default(), CacheConfig::with_blocks(64)).expect("engine");
     for q in QUESTIONS {
@@ -52,7 +53,9 @@ async fn colocated_matches_engine(policy: &str) {
         .map(|q| {
             let url = cluster.url("/v1/chat/completions");
             let body = json!({ "messages": [{ "role": "user", "content": q }], "max_tokens": 16, "temperature": 0 });
-            tokio::spawn(async move { reqwest::Client::new().post(url).json(&body).send().await.expect("request").status() })
+            tokio::spawn(
+                async move { reqwest::Client::new().post(url).json(&body).send().await.expect("request").status() },
+            )
         })
         .collect();
     for t in tasks {
@@ -73,12 +76,19 @@ async fn colocated_naive_prefill_gives_the_engines_answers() {
 
 async fn kv_bytes_sent(cluster: &Cluster) -> f64 {
     let text = Cluster::scrape(&cluster.prefill_metrics[0]).await;
-    text.lines().find_map(|l| l.strip_prefix("pd_kv_transfer_bytes_total ")).and_then(|v| v.parse().ok()).expect("counter")
+    text.lines()
+        .find_map(|l| l.strip_prefix("pd_kv_transfer_bytes_total "))
+        .and_then(|v| v.parse().ok())
+        .expect("counter")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_prompts_stay_on_the_decode_worker() {
-    let options = Options { prefill: 1, router_args: vec!["--local-prefill-max-tokens".into(), "45".into()], ..Options::default() };
+    let options = Options {
+        prefill: 1,
+        router_args: vec!["--local-prefill-max-tokens".into(), "45".into()],
+        ..Options::default()
+    };
     let cluster = Cluster::start_with(options).await;
     let (_, short) = chat(&cluster, QUESTIONS[0]).await;
     assert!(short["usage"]["prompt_tokens"].as_u64().expect("tokens") <= 45);

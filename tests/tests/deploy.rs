@@ -23,7 +23,12 @@ fn repo() -> PathBuf {
 
 fn run(cmd: &mut Command, what: &str) -> String {
     let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e} (run scripts/install-k8s-tools.sh)"));
-    assert!(out.status.success(), "{what} failed:\n{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{what} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
@@ -40,7 +45,10 @@ fn render(overlay: &str) -> Vec<Value> {
     assert!(!report.contains("ERROR"), "{overlay}: {report}");
     let json = run(
         Command::new("python3")
-            .args(["-c", "import json, sys, yaml; print(json.dumps([d for d in yaml.safe_load_all(open(sys.argv[1])) if d]))"])
+            .args([
+                "-c",
+                "import json, sys, yaml; print(json.dumps([d for d in yaml.safe_load_all(open(sys.argv[1])) if d]))",
+            ])
             .arg(file.path()),
         "yaml to json",
     );
@@ -191,14 +199,22 @@ async fn manifests_agree_with_the_binaries() {
                 assert!(get.is_object(), "{what}: {probe} must be an HTTP probe");
                 assert_eq!(resolve_port(&c.container, &get["port"]), http_port, "{what}: {probe} port");
                 let path = get["path"].as_str().expect("probe path");
-                let status = reqwest::get(format!("http://{}{path}", served[c.binary.as_str()])).await.expect("probe").status();
-                assert!(status.as_u16() == 200 || (path == "/ready" && status.as_u16() == 503), "{what}: {path} answered {status}");
+                let status =
+                    reqwest::get(format!("http://{}{path}", served[c.binary.as_str()])).await.expect("probe").status();
+                assert!(
+                    status.as_u16() == 200 || (path == "/ready" && status.as_u16() == 503),
+                    "{what}: {path} answered {status}"
+                );
             }
             let annotations = &objects
                 .iter()
                 .find(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == c.deployment.as_str())
                 .expect("deployment")["spec"]["template"]["metadata"]["annotations"];
-            assert_eq!(annotations["prometheus.io/port"].as_str().map(|p| p.parse::<u16>().ok()), Some(Some(http_port)), "{what}: scrape port");
+            assert_eq!(
+                annotations["prometheus.io/port"].as_str().map(|p| p.parse::<u16>().ok()),
+                Some(Some(http_port)),
+                "{what}: scrape port"
+            );
             assert_eq!(annotations["prometheus.io/path"], "/metrics");
             // 3. Graceful shutdown fits in the termination grace period.
             let pre_stop: u64 = c.container["lifecycle"]["preStop"]["exec"]["command"][1]
@@ -210,7 +226,10 @@ async fn manifests_agree_with_the_binaries() {
                 _ => flag(&c.args, "grace-ms").and_then(|v| v.parse().ok()).unwrap_or(30_000),
             };
             let period = c.pod["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
-            assert!(period > pre_stop + drain_ms / 1000, "{what}: terminationGracePeriodSeconds {period} < preStop {pre_stop} s + drain {drain_ms} ms");
+            assert!(
+                period > pre_stop + drain_ms / 1000,
+                "{what}: terminationGracePeriodSeconds {period} < preStop {pre_stop} s + drain {drain_ms} ms"
+            );
         }
         // 4. The router's worker lists name the headless services of the pools, on the port
         //    the workers listen on, selecting the workers' pods.
@@ -221,8 +240,16 @@ async fn manifests_agree_with_the_binaries() {
             let service = find(&objects, "Service", host);
             assert_eq!(service["spec"]["clusterIP"], "None", "{overlay}: {host} must be headless");
             let worker = containers.iter().find(|c| c.binary == pool).expect("worker");
-            assert_eq!(port_of(flag(&worker.args, "listen").expect("--listen")), port.parse::<u16>().expect("port"), "{overlay}: {var} port");
-            assert!(service["spec"]["ports"].as_array().into_iter().flatten().any(|p| p["port"].as_u64() == port.parse().ok()));
+            assert_eq!(
+                port_of(flag(&worker.args, "listen").expect("--listen")),
+                port.parse::<u16>().expect("port"),
+                "{overlay}: {var} port"
+            );
+            assert!(service["spec"]["ports"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|p| p["port"].as_u64() == port.parse().ok()));
             let labels = &find(&objects, "Deployment", &worker.deployment)["spec"]["template"]["metadata"]["labels"];
             for (k, v) in service["spec"]["selector"].as_object().expect("selector") {
                 assert_eq!(&labels[k], v, "{overlay}: {host} selects the {pool} pods");
@@ -234,14 +261,23 @@ async fn manifests_agree_with_the_binaries() {
         for so in scaled {
             assert_eq!(so["apiVersion"], "keda.sh/v1alpha1");
             let target = so["spec"]["scaleTargetRef"]["name"].as_str().expect("target");
-            let c = containers.iter().find(|c| c.deployment == target).unwrap_or_else(|| panic!("{target} is not a pd Deployment"));
-            let (min, max) = (so["spec"]["minReplicaCount"].as_u64().expect("min"), so["spec"]["maxReplicaCount"].as_u64().expect("max"));
+            let c = containers
+                .iter()
+                .find(|c| c.deployment == target)
+                .unwrap_or_else(|| panic!("{target} is not a pd Deployment"));
+            let (min, max) = (
+                so["spec"]["minReplicaCount"].as_u64().expect("min"),
+                so["spec"]["maxReplicaCount"].as_u64().expect("max"),
+            );
             assert!(min >= 1 && min <= max, "{overlay}/{target}: replicas {min}..{max}");
             for trigger in so["spec"]["triggers"].as_array().expect("triggers") {
                 match trigger["type"].as_str() {
                     Some("prometheus") => {
                         let query = trigger["metadata"]["query"].as_str().expect("query");
-                        assert!(trigger["metadata"]["threshold"].as_str().and_then(|t| t.parse::<f64>().ok()).is_some());
+                        assert!(trigger["metadata"]["threshold"]
+                            .as_str()
+                            .and_then(|t| t.parse::<f64>().ok())
+                            .is_some());
                         let names: Vec<&str> = query
                             .split(|ch: char| !(ch.is_ascii_alphanumeric() || ch == '_'))
                             .filter(|w| w.starts_with("pd_"))
@@ -249,7 +285,11 @@ async fn manifests_agree_with_the_binaries() {
                         assert!(!names.is_empty(), "{query} uses no pd metric");
                         for name in names {
                             let text = &exported[c.binary.as_str()];
-                            assert!(text.lines().any(|l| l.starts_with(&format!("# TYPE {name} "))), "{overlay}/{target}: {name} is not exported by {}", c.binary);
+                            assert!(
+                                text.lines().any(|l| l.starts_with(&format!("# TYPE {name} "))),
+                                "{overlay}/{target}: {name} is not exported by {}",
+                                c.binary
+                            );
                         }
                     }
                     Some("cpu") => {

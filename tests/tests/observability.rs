@@ -108,7 +108,8 @@ fn parse_prometheus(text: &str) -> HashMap<String, f64> {
 
 fn sample(samples: &HashMap<String, f64>, series: &str) -> f64 {
     *samples.get(series).unwrap_or_else(|| {
-        let mut names: Vec<_> = samples.keys().filter(|k| k.starts_with(&series[..series.find('{').unwrap_or(series.len())])).collect();
+        let mut names: Vec<_> =
+            samples.keys().filter(|k| k.starts_with(&series[..series.find('{').unwrap_or(series.len())])).collect();
         names.sort();
         panic!("no sample `{series}`; similar: {names:?}")
     })
@@ -130,10 +131,7 @@ async fn one_request_is_one_trace_with_metrics_and_a_record() {
     let endpoint = receiver.start().await;
     let options = Options {
         prefill: 1,
-        env: vec![
-            ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint),
-            ("OTEL_BSP_SCHEDULE_DELAY".into(), "100".into()),
-        ],
+        env: vec![("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint), ("OTEL_BSP_SCHEDULE_DELAY".into(), "100".into())],
         router_args: vec!["--log-format".into(), "json".into()],
         capture_logs: true,
         ..Options::default()
@@ -149,7 +147,12 @@ async fn one_request_is_one_trace_with_metrics_and_a_record() {
     });
     let events = sse_events(&cluster.url("/v1/chat/completions"), &body, &[("x-pd-class", "obs-test")]).await;
     let chunks: Vec<Value> = events.iter().filter_map(|(_, d)| serde_json::from_str(d).ok()).collect();
-    let streamed_tokens = chunks.iter().filter(|c| c["choices"][0]["finish_reason"].is_null() && !c["choices"].as_array().is_some_and(|a| a.is_empty())).count();
+    let streamed_tokens = chunks
+        .iter()
+        .filter(|c| {
+            c["choices"][0]["finish_reason"].is_null() && !c["choices"].as_array().is_some_and(|a| a.is_empty())
+        })
+        .count();
     let usage = chunks.iter().find(|c| c["usage"].is_object()).expect("usage chunk")["usage"].clone();
     let prompt_tokens = usage["prompt_tokens"].as_u64().expect("prompt tokens") as usize;
     let completion_tokens = usage["completion_tokens"].as_u64().expect("completion tokens") as usize;
@@ -158,7 +161,17 @@ async fn one_request_is_one_trace_with_metrics_and_a_record() {
     let bucket = pd_telemetry_bucket(prompt_tokens);
 
     // --- one trace across the three processes --------------------------------------------
-    let wanted = ["router.request", "router.queue", "router.route", "prefill.queue", "prefill.compute", "kv.send", "kv.receive", "decode.admit", "decode.generate"];
+    let wanted = [
+        "router.request",
+        "router.queue",
+        "router.route",
+        "prefill.queue",
+        "prefill.compute",
+        "kv.send",
+        "kv.receive",
+        "decode.admit",
+        "decode.generate",
+    ];
     let deadline = Instant::now() + Duration::from_secs(20);
     let spans = loop {
         let spans = receiver.spans();
@@ -175,18 +188,23 @@ async fn one_request_is_one_trace_with_metrics_and_a_record() {
     assert_eq!(services, HashSet::from(["pd-router", "pd-prefill", "pd-decode"]));
     let (_, root) = spans.iter().find(|(_, s)| s.name == "router.request").expect("root");
     assert!(root.parent_span_id.is_empty(), "router.request is the root");
-    let parents: HashMap<&[u8], &[u8]> = spans.iter().map(|(_, s)| (s.span_id.as_slice(), s.parent_span_id.as_slice())).collect();
+    let parents: HashMap<&[u8], &[u8]> =
+        spans.iter().map(|(_, s)| (s.span_id.as_slice(), s.parent_span_id.as_slice())).collect();
     for (service, span) in &spans {
         // Walk up: every span reaches the router's root.
         let mut id = span.span_id.as_slice();
         let mut hops = 0;
         while id != root.span_id.as_slice() {
-            id = parents.get(id).copied().unwrap_or_else(|| panic!("{service} {} has a parent outside the trace", span.name));
+            id = parents
+                .get(id)
+                .copied()
+                .unwrap_or_else(|| panic!("{service} {} has a parent outside the trace", span.name));
             hops += 1;
             assert!(hops < 10, "parent cycle");
         }
     }
-    let by_name = |name: &str| spans.iter().find(|(_, s)| s.name == name).map(|(svc, s)| (svc.as_str(), s)).expect(name);
+    let by_name =
+        |name: &str| spans.iter().find(|(_, s)| s.name == name).map(|(svc, s)| (svc.as_str(), s)).expect(name);
     let (svc, send) = by_name("kv.send");
     assert_eq!(svc, "pd-prefill");
     assert_eq!(int_attr(send, "pd.kv.bytes"), Some(expected_kv as i64), "kv.send bytes");
@@ -205,7 +223,10 @@ async fn one_request_is_one_trace_with_metrics_and_a_record() {
     let labels = format!("class=\"obs-test\",input_bucket=\"{bucket}\"");
     let router = parse_prometheus(&Cluster::scrape(&cluster.http).await);
     assert_eq!(sample(&router, &format!("pd_time_to_first_token_seconds_count{{{labels}}}")), 1.0);
-    assert_eq!(sample(&router, &format!("pd_inter_token_latency_seconds_count{{{labels}}}")), (completion_tokens - 1) as f64);
+    assert_eq!(
+        sample(&router, &format!("pd_inter_token_latency_seconds_count{{{labels}}}")),
+        (completion_tokens - 1) as f64
+    );
     assert_eq!(sample(&router, &format!("pd_e2e_request_latency_seconds_count{{{labels}}}")), 1.0);
     assert_eq!(sample(&router, &format!("pd_time_to_first_token_seconds_bucket{{{labels},le=\"+Inf\"}}")), 1.0);
     assert_eq!(sample(&router, "pd_requests_total{class=\"obs-test\",outcome=\"ok\"}"), 1.0);
@@ -233,8 +254,21 @@ async fn one_request_is_one_trace_with_metrics_and_a_record() {
     assert_eq!(records.len(), 1, "one record per request; log:\n{log}");
     let r = &records[0];
     for field in [
-        "request_id", "class", "input_tokens", "output_tokens", "queue_ms", "prefill_ms", "kv_transfer_ms", "ttft_ms",
-        "decode_ms", "itl_p50_ms", "itl_p95_ms", "e2e_ms", "prefill_worker", "decode_worker", "outcome",
+        "request_id",
+        "class",
+        "input_tokens",
+        "output_tokens",
+        "queue_ms",
+        "prefill_ms",
+        "kv_transfer_ms",
+        "ttft_ms",
+        "decode_ms",
+        "itl_p50_ms",
+        "itl_p95_ms",
+        "e2e_ms",
+        "prefill_worker",
+        "decode_worker",
+        "outcome",
     ] {
         assert!(!r[field].is_null(), "record lacks `{field}`: {r}");
     }
@@ -245,7 +279,8 @@ async fn one_request_is_one_trace_with_metrics_and_a_record() {
     assert_eq!(r["prefill_worker"], cluster.prefill_addrs[0].as_str());
     assert_eq!(r["decode_worker"], cluster.decode_addr.as_str());
     let ms = |f: &str| r[f].as_f64().unwrap_or_else(|| panic!("`{f}` is not a number: {r}"));
-    for f in ["queue_ms", "prefill_ms", "kv_transfer_ms", "ttft_ms", "decode_ms", "itl_p50_ms", "itl_p95_ms", "e2e_ms"] {
+    for f in ["queue_ms", "prefill_ms", "kv_transfer_ms", "ttft_ms", "decode_ms", "itl_p50_ms", "itl_p95_ms", "e2e_ms"]
+    {
         assert!(ms(f) >= 0.0, "{f} negative: {r}");
     }
     assert!(ms("ttft_ms") >= ms("prefill_ms"), "ttft includes prefill: {r}");

@@ -114,7 +114,10 @@ async fn decode_worker_ends_streams_with_a_typed_error_after_the_grace_period() 
     let stopped = Instant::now();
     cluster.decode.terminate();
     for s in streams {
-        let events = tokio::time::timeout(Duration::from_secs(10), s).await.expect("streams end soon after the grace period").expect("task");
+        let events = tokio::time::timeout(Duration::from_secs(10), s)
+            .await
+            .expect("streams end soon after the grace period")
+            .expect("task");
         let (tokens, error, done) = summarize(&events);
         assert!(tokens < 1000, "cut off before the end");
         assert!(!done, "no [DONE] for a stream that did not finish");
@@ -167,7 +170,8 @@ async fn prefill_worker_finishes_the_prefill_it_accepted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn router_fails_readiness_before_it_exits() {
-    let options = Options { prefill: 1, router_args: vec!["--drain-delay-ms".into(), "1500".into()], ..Options::default() };
+    let options =
+        Options { prefill: 1, router_args: vec!["--drain-delay-ms".into(), "1500".into()], ..Options::default() };
     let mut cluster = Cluster::start_with(options).await;
     let ready = |c: &Cluster| reqwest::get(c.url("/ready"));
     assert_eq!(ready(&cluster).await.expect("ready").status().as_u16(), 200);

@@ -114,17 +114,21 @@ async fn main() -> anyhow::Result<()> {
             if let Some(d) = duration_s {
                 parsed.duration_s = d;
             }
-            let text_side = pd_engine::load_text_side(&server.model).with_context(|| format!("tokenizer of {}", server.model.display()))?;
+            let text_side = pd_engine::load_text_side(&server.model)
+                .with_context(|| format!("tokenizer of {}", server.model.display()))?;
             let builder = PromptBuilder::new(&text_side.tokenizer).map_err(anyhow::Error::msg)?;
-            let label = label.unwrap_or_else(|| scenario.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
-            let data = runner::run(target(&server), &parsed, &builder, !server.quiet).await.map_err(anyhow::Error::msg)?;
+            let label = label
+                .unwrap_or_else(|| scenario.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
+            let data =
+                runner::run(target(&server), &parsed, &builder, !server.quiet).await.map_err(anyhow::Error::msg)?;
             let report = Report::build(&label, &server.url, &parsed, &data.samples, data.duration_s);
             report.write(&out, &data.samples, &timeline_class)?;
             println!("{}", report.markdown());
             println!("written to {}", out.display());
         }
         Command::Matrix { server, out, inputs, outputs, concurrency, rounds, cell_s } => {
-            let text_side = pd_engine::load_text_side(&server.model).with_context(|| format!("tokenizer of {}", server.model.display()))?;
+            let text_side = pd_engine::load_text_side(&server.model)
+                .with_context(|| format!("tokenizer of {}", server.model.display()))?;
             let builder = PromptBuilder::new(&text_side.tokenizer).map_err(anyhow::Error::msg)?;
             let mut all = String::new();
             for &input in &inputs {
@@ -132,13 +136,20 @@ async fn main() -> anyhow::Result<()> {
                     for &c in &concurrency {
                         let scenario = Scenario::matrix_cell(input, output, c, c * rounds, cell_s);
                         let name = scenario.classes[0].name.clone();
-                        let data = runner::run(target(&server), &scenario, &builder, !server.quiet).await.map_err(anyhow::Error::msg)?;
+                        let data = runner::run(target(&server), &scenario, &builder, !server.quiet)
+                            .await
+                            .map_err(anyhow::Error::msg)?;
                         let report = Report::build(&name, &server.url, &scenario, &data.samples, data.duration_s);
                         report.write(&out.join(&name), &data.samples, &name)?;
                         let md = report.markdown();
                         let rows: Vec<&str> = md.lines().filter(|l| l.starts_with(&format!("| {name}"))).collect();
                         if all.is_empty() {
-                            all = md.lines().take_while(|l| !l.starts_with(&format!("| {name}"))).collect::<Vec<_>>().join("\n") + "\n";
+                            all = md
+                                .lines()
+                                .take_while(|l| !l.starts_with(&format!("| {name}")))
+                                .collect::<Vec<_>>()
+                                .join("\n")
+                                + "\n";
                         }
                         all.push_str(&(rows.join("\n") + "\n"));
                     }
@@ -148,7 +159,8 @@ async fn main() -> anyhow::Result<()> {
             println!("{all}");
         }
         Command::Compare { out, class, with_variant, without_variant, header, runs } => {
-            let runs: Vec<Run> = runs.iter().map(|d| Run::load(d)).collect::<Result<_, _>>().map_err(anyhow::Error::msg)?;
+            let runs: Vec<Run> =
+                runs.iter().map(|d| Run::load(d)).collect::<Result<_, _>>().map_err(anyhow::Error::msg)?;
             let lines = compare::compare(&runs, &class, &with_variant, &without_variant);
             let path = compare::write(&out, &runs, &class, &lines, &header)?;
             println!("{}", compare::markdown(&lines, &class));

@@ -60,7 +60,8 @@ fn main() -> anyhow::Result<()> {
     let tokens_needed = max_prompt.max((args.context + args.steps + 1) * (max_batch + 1));
     let cache = CacheConfig::with_blocks(tokens_needed.div_ceil(16) + 16);
     let options = LoadOptions { weights: args.weights, ..LoadOptions::default() };
-    let engine = Engine::load(&args.model, options, cache).with_context(|| format!("loading {}", args.model.display()))?;
+    let engine =
+        Engine::load(&args.model, options, cache).with_context(|| format!("loading {}", args.model.display()))?;
     println!("model {} | weights {:?} | threads {}", args.model.display(), args.weights, args.threads);
     println!();
     println!("| measurement | value |");

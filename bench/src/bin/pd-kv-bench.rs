@@ -15,7 +15,8 @@ use pd_engine::{BlockManager, CacheConfig, ChatMessage, Engine, LoadOptions, Wir
 use pd_kv_transfer::engine_io::{geometry_of, prefill_and_send, Unscheduled};
 use pd_kv_transfer::grpc::{GrpcKvReceiver, GrpcKvSender};
 use pd_kv_transfer::{
-    frame_runs, Frame, KvGeometry, KvReceiver, KvRegistry, KvSender, KvTransfer, MemorySink, Reservation, TransferHeader,
+    frame_runs, Frame, KvGeometry, KvReceiver, KvRegistry, KvSender, KvTransfer, MemorySink, Reservation,
+    TransferHeader,
 };
 
 #[global_allocator]
@@ -95,7 +96,8 @@ async fn throughput_gbps(transport: Transport, mib: usize, repeat: usize) -> any
         #[cfg(feature = "ucx")]
         t => {
             use pd_kv_transfer::ucx::{UcxConfig, UcxKvReceiver, UcxKvSender};
-            let config = if t == Transport::UcxShm { UcxConfig::loopback_shared_memory() } else { UcxConfig::loopback_tcp() };
+            let config =
+                if t == Transport::UcxShm { UcxConfig::loopback_shared_memory() } else { UcxConfig::loopback_tcp() };
             let server = UcxKvReceiver::start(registry.clone(), config.clone(), "127.0.0.1:0".parse()?)?;
             let sender = UcxKvSender::connect(server.local_addr(), config, Duration::from_secs(30)).await?;
             let gbps = run_transfers(&sender, &registry, &pool, g, blocks, mib, repeat).await;
@@ -188,7 +190,16 @@ async fn ttft_part(args: &Args) -> anyhow::Result<()> {
             num_tokens: prompt.len() as u32,
             lease: Duration::from_secs(120),
         })?;
-        let sent = prefill_and_send(prefill.clone(), prompt.clone(), 512, header, &sender, &pd_engine::SamplingParams::greedy(1), &Unscheduled).await?;
+        let sent = prefill_and_send(
+            prefill.clone(),
+            prompt.clone(),
+            512,
+            header,
+            &sender,
+            &pd_engine::SamplingParams::greedy(1),
+            &Unscheduled,
+        )
+        .await?;
         drop(outcome.await?.map_err(|e| anyhow::anyhow!("{e}"))?);
         rows[0].push(format!("{:.2} s", sent.prefill_time.as_secs_f64()));
         rows[1].push(format!("{:.1} MB", sent.receipt.bytes as f64 / 1e6));
@@ -228,7 +239,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         #[cfg(feature = "ucx")]
         ("UCX shared memory", Transport::UcxShm),
     ];
-    println!("| size | memcpy GB/s | {} |", transports.iter().map(|(n, _)| format!("{n} GB/s (x memcpy)")).collect::<Vec<_>>().join(" | "));
+    println!(
+        "| size | memcpy GB/s | {} |",
+        transports.iter().map(|(n, _)| format!("{n} GB/s (x memcpy)")).collect::<Vec<_>>().join(" | ")
+    );
     println!("|---|---|{}", "---|".repeat(transports.len()));
     for &mib in &args.sizes {
         let copy = memcpy_gbps(mib * MIB, args.repeat);

@@ -108,7 +108,12 @@ async fn one_request(client: &reqwest::Client, url: &str, i: usize, max_tokens: 
     Ok(sample)
 }
 
-async fn cluster_level(url: &str, concurrency: usize, rounds: usize, max_tokens: usize) -> anyhow::Result<(Vec<Sample>, Duration)> {
+async fn cluster_level(
+    url: &str,
+    concurrency: usize,
+    rounds: usize,
+    max_tokens: usize,
+) -> anyhow::Result<(Vec<Sample>, Duration)> {
     let client = reqwest::Client::new();
     let started = Instant::now();
     let mut workers = Vec::new();
@@ -132,7 +137,12 @@ async fn cluster_level(url: &str, concurrency: usize, rounds: usize, max_tokens:
 /// The same workload on the engine alone: `concurrency` requests arrive together, each is
 /// prefilled (one after another, as a colocated server without chunking would), then all
 /// decode together in one batch; repeated `rounds` times.
-fn engine_level(engine: &Engine, concurrency: usize, rounds: usize, max_tokens: usize) -> anyhow::Result<(Vec<Sample>, Duration)> {
+fn engine_level(
+    engine: &Engine,
+    concurrency: usize,
+    rounds: usize,
+    max_tokens: usize,
+) -> anyhow::Result<(Vec<Sample>, Duration)> {
     let started = Instant::now();
     let mut samples = Vec::new();
     for round in 0..rounds {
@@ -144,7 +154,11 @@ fn engine_level(engine: &Engine, concurrency: usize, rounds: usize, max_tokens: 
             let prompt = engine.chat_prompt(&[ChatMessage::new("user", &question(round * concurrency + i))])?;
             let mut kv = engine.new_sequence();
             let logits = engine.prefill(&mut kv, &prompt, 512)?;
-            let mut sampler = pd_engine::Sampler::new(&SamplingParams { temperature: 0.8, seed: i as u64, ..SamplingParams::greedy(max_tokens) })?;
+            let mut sampler = pd_engine::Sampler::new(&SamplingParams {
+                temperature: 0.8,
+                seed: i as u64,
+                ..SamplingParams::greedy(max_tokens)
+            })?;
             next.push(sampler.sample(&logits)?);
             seqs.push((kv, sampler));
             batch_samples.push(Sample { ttft: arrived.elapsed(), gaps: Vec::new(), tokens: 1 });

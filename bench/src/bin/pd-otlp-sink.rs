@@ -31,7 +31,8 @@ impl TraceService for Counts {
         &self,
         request: tonic::Request<ExportTraceServiceRequest>,
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        let spans: usize = request.into_inner().resource_spans.iter().flat_map(|r| &r.scope_spans).map(|s| s.spans.len()).sum();
+        let spans: usize =
+            request.into_inner().resource_spans.iter().flat_map(|r| &r.scope_spans).map(|s| s.spans.len()).sum();
         self.requests.fetch_add(1, Ordering::Relaxed);
         self.spans.fetch_add(spans as u64, Ordering::Relaxed);
         Ok(tonic::Response::new(ExportTraceServiceResponse { partial_success: None }))
@@ -48,7 +49,11 @@ async fn main() -> anyhow::Result<()> {
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(Duration::from_secs(args.report_s)).await;
-            println!("exports {} spans {}", reporter.requests.load(Ordering::Relaxed), reporter.spans.load(Ordering::Relaxed));
+            println!(
+                "exports {} spans {}",
+                reporter.requests.load(Ordering::Relaxed),
+                reporter.spans.load(Ordering::Relaxed)
+            );
         }
     });
     let incoming = pd_kv_transfer::grpc::nodelay_incoming(listener);

@@ -21,8 +21,11 @@ pub struct Run {
 
 impl Run {
     pub fn load(dir: &Path) -> Result<Run, String> {
-        let read = |name: &str| std::fs::read_to_string(dir.join(name)).map_err(|e| format!("{}: {e}", dir.join(name).display()));
-        let summary: serde_json::Value = serde_json::from_str(&read("summary.json")?).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let read = |name: &str| {
+            std::fs::read_to_string(dir.join(name)).map_err(|e| format!("{}: {e}", dir.join(name).display()))
+        };
+        let summary: serde_json::Value =
+            serde_json::from_str(&read("summary.json")?).map_err(|e| format!("{}: {e}", dir.display()))?;
         let samples = serde_json::from_str(&read("requests.json")?).map_err(|e| format!("{}: {e}", dir.display()))?;
         Ok(Run {
             label: summary["label"].as_str().unwrap_or_default().to_string(),
@@ -80,7 +83,9 @@ pub fn compare(runs: &[Run], class: &str, with_variant: &str, without_variant: &
 
 /// The comparison as a Markdown table.
 pub fn markdown(lines: &[SetupLine], class: &str) -> String {
-    let f = |v: Option<f64>| v.map(|x| if x >= 100.0 { format!("{x:.0}") } else { format!("{x:.1}") }).unwrap_or_else(|| "-".into());
+    let f = |v: Option<f64>| {
+        v.map(|x| if x >= 100.0 { format!("{x:.0}") } else { format!("{x:.1}") }).unwrap_or_else(|| "-".into())
+    };
     let r = |v: Option<f64>| v.map(|x| format!("{x:.2}")).unwrap_or_else(|| "-".into());
     let mut md = format!(
         "`{class}` requests, with the disturbing class / without it (same workload otherwise):\n\n\
@@ -121,16 +126,26 @@ pub fn write(out: &Path, runs: &[Run], class: &str, lines: &[SetupLine], header:
     std::fs::write(out.join("comparison.json"), serde_json::to_string_pretty(lines).map_err(std::io::Error::other)?)?;
     let series = |value: &dyn Fn(&RequestSample) -> Vec<f64>| -> Vec<(String, Vec<f64>)> {
         runs.iter()
-            .map(|r| (r.label.clone(), r.samples.iter().filter(|s| s.class == class && s.ok()).flat_map(value).collect()))
+            .map(|r| {
+                (r.label.clone(), r.samples.iter().filter(|s| s.class == class && s.ok()).flat_map(value).collect())
+            })
             .collect()
     };
     std::fs::write(
         out.join(format!("ttft-{class}.svg")),
-        svg::distribution(&format!("{class} TTFT per setup"), "time to first token (ms)", &series(&|s| s.ttft_ms().into_iter().collect())),
+        svg::distribution(
+            &format!("{class} TTFT per setup"),
+            "time to first token (ms)",
+            &series(&|s| s.ttft_ms().into_iter().collect()),
+        ),
     )?;
     std::fs::write(
         out.join(format!("itl-{class}.svg")),
-        svg::distribution(&format!("{class} inter-token latency per setup"), "gap between tokens (ms)", &series(&|s| s.gaps_ms().collect())),
+        svg::distribution(
+            &format!("{class} inter-token latency per setup"),
+            "gap between tokens (ms)",
+            &series(&|s| s.gaps_ms().collect()),
+        ),
     )?;
     Ok(out.join("comparison.md"))
 }
@@ -159,7 +174,13 @@ mod tests {
 
     #[test]
     fn pairs_setups_and_computes_ratios() {
-        let runs = vec![run("a/docs", 30.0), run("b/docs", 10.0), run("b/base", 10.0), run("a/base", 10.0), run("c/docs", 5.0)];
+        let runs = vec![
+            run("a/docs", 30.0),
+            run("b/docs", 10.0),
+            run("b/base", 10.0),
+            run("a/base", 10.0),
+            run("c/docs", 5.0),
+        ];
         let lines = compare(&runs, "interactive", "docs", "base");
         assert_eq!(lines.len(), 2, "c has no base run");
         assert_eq!(lines[0].itl_p95_ratio, Some(3.0));

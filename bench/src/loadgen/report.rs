@@ -41,7 +41,12 @@ pub struct Report {
 pub fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|c| c.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_string()))
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
         .unwrap_or_else(|| "unknown CPU".into());
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
     format!("{cpu}, {cores} cores")
@@ -54,14 +59,25 @@ impl Report {
             let slo: Slo = class.slo;
             let mine: Vec<&RequestSample> = samples.iter().filter(|s| s.class == class.name).collect();
             let mut buckets: Vec<&str> = mine.iter().map(|s| bucket(s.input_tokens)).collect();
-            buckets.sort_by_key(|b| b.split('-').next().and_then(|n| n.trim_end_matches('+').parse::<usize>().ok()).unwrap_or(0));
+            buckets.sort_by_key(|b| {
+                b.split('-').next().and_then(|n| n.trim_end_matches('+').parse::<usize>().ok()).unwrap_or(0)
+            });
             buckets.dedup();
             for b in &buckets {
-                let group: Vec<&RequestSample> = mine.iter().copied().filter(|s| bucket(s.input_tokens) == *b).collect();
-                rows.push(Row { class: class.name.clone(), input_bucket: b.to_string(), stats: GroupStats::of(&group, duration_s, &slo) });
+                let group: Vec<&RequestSample> =
+                    mine.iter().copied().filter(|s| bucket(s.input_tokens) == *b).collect();
+                rows.push(Row {
+                    class: class.name.clone(),
+                    input_bucket: b.to_string(),
+                    stats: GroupStats::of(&group, duration_s, &slo),
+                });
             }
             if buckets.len() != 1 {
-                rows.push(Row { class: class.name.clone(), input_bucket: "all".into(), stats: GroupStats::of(&mine, duration_s, &slo) });
+                rows.push(Row {
+                    class: class.name.clone(),
+                    input_bucket: "all".into(),
+                    stats: GroupStats::of(&mine, duration_s, &slo),
+                });
             }
         }
         Report {
@@ -77,7 +93,9 @@ impl Report {
 
     /// The Markdown table.
     pub fn markdown(&self) -> String {
-        let f = |v: Option<f64>| v.map(|x| if x >= 100.0 { format!("{x:.0}") } else { format!("{x:.1}") }).unwrap_or_else(|| "-".into());
+        let f = |v: Option<f64>| {
+            v.map(|x| if x >= 100.0 { format!("{x:.0}") } else { format!("{x:.1}") }).unwrap_or_else(|| "-".into())
+        };
         let trio = |s: &Summary| format!("{} / {} / {}", f(s.p50), f(s.p95), f(s.p99));
         let mut md = format!(
             "# {}\n\nServer `{}`, {:.1} s, machine: {}.\nCommand: `{}`\n\n\
@@ -119,16 +137,26 @@ impl Report {
             self.scenario
                 .classes
                 .iter()
-                .map(|c| (c.name.clone(), samples.iter().filter(|s| s.class == c.name && s.ok()).flat_map(value).collect()))
+                .map(|c| {
+                    (c.name.clone(), samples.iter().filter(|s| s.class == c.name && s.ok()).flat_map(value).collect())
+                })
                 .collect()
         };
         std::fs::write(
             dir.join("ttft.svg"),
-            svg::distribution(&format!("TTFT — {}", self.label), "time to first token (ms)", &per_class(&|s| s.ttft_ms().into_iter().collect())),
+            svg::distribution(
+                &format!("TTFT — {}", self.label),
+                "time to first token (ms)",
+                &per_class(&|s| s.ttft_ms().into_iter().collect()),
+            ),
         )?;
         std::fs::write(
             dir.join("itl.svg"),
-            svg::distribution(&format!("Inter-token latency — {}", self.label), "gap between tokens (ms)", &per_class(&|s| s.gaps_ms().collect())),
+            svg::distribution(
+                &format!("Inter-token latency — {}", self.label),
+                "gap between tokens (ms)",
+                &per_class(&|s| s.gaps_ms().collect()),
+            ),
         )?;
         if let Some(t) = timeline(samples, timeline_class, &self.label) {
             std::fs::write(dir.join("timeline.svg"), t)?;
@@ -148,7 +176,8 @@ pub fn timeline(samples: &[RequestSample], class: &str, label: &str) -> Option<S
     if points.is_empty() {
         return None;
     }
-    let marks: Vec<f64> = samples.iter().filter(|s| s.class != class && s.input_tokens >= 1024).map(|s| s.sent_ms / 1e3).collect();
+    let marks: Vec<f64> =
+        samples.iter().filter(|s| s.class != class && s.input_tokens >= 1024).map(|s| s.sent_ms / 1e3).collect();
     Some(svg::timeline(&format!("{class} inter-token gaps — {label}"), &points, &marks, "long prompt sent"))
 }
 
@@ -172,7 +201,8 @@ mod tests {
 
     #[test]
     fn rows_split_by_class_and_bucket_and_add_up() {
-        let scenario = Scenario::parse("class chat concurrency=1 input=64..600\nclass docs every=5 input=2048").expect("scenario");
+        let scenario =
+            Scenario::parse("class chat concurrency=1 input=64..600\nclass docs every=5 input=2048").expect("scenario");
         let samples = vec![
             sample("chat", 64, &[100.0, 110.0]),
             sample("chat", 128, &[90.0, 95.0, 99.0]),
@@ -180,7 +210,9 @@ mod tests {
             sample("docs", 2048, &[5000.0, 5010.0]),
         ];
         let report = Report::build("test", "http://x", &scenario, &samples, 10.0);
-        let find = |c: &str, b: &str| report.rows.iter().find(|r| r.class == c && r.input_bucket == b).map(|r| r.stats.requests);
+        let find = |c: &str, b: &str| {
+            report.rows.iter().find(|r| r.class == c && r.input_bucket == b).map(|r| r.stats.requests)
+        };
         assert_eq!(find("chat", "1-128"), Some(2), "128 is in the first bucket");
         assert_eq!(find("chat", "129-512"), Some(1));
         assert_eq!(find("chat", "all"), Some(3));
@@ -190,6 +222,6 @@ mod tests {
         assert_eq!(md.lines().filter(|l| l.starts_with("| chat") || l.starts_with("| docs")).count(), 4);
         let t = timeline(&samples, "chat", "test").expect("timeline");
         assert_eq!(t.matches("<circle").count(), 4, "one point per gap");
-        assert!(t.contains("<line x1=\"") , "the document arrival is marked");
+        assert!(t.contains("<line x1=\""), "the document arrival is marked");
     }
 }

@@ -52,14 +52,20 @@ struct Shared {
 }
 
 /// Runs `scenario` against `target`.
-pub async fn run(target: Target, scenario: &Scenario, builder: &PromptBuilder<'_>, progress: bool) -> Result<RunData, String> {
+pub async fn run(
+    target: Target,
+    scenario: &Scenario,
+    builder: &PromptBuilder<'_>,
+    progress: bool,
+) -> Result<RunData, String> {
     // Enough prompts for the most a class can send (bounded by the scenario's cap).
     let mut class_jobs = Vec::new();
     for (i, class) in scenario.classes.iter().enumerate() {
         let most = class.max_requests.unwrap_or(scenario.max_requests).min(scenario.max_requests);
         class_jobs.push(jobs_for(class, builder, scenario.seed.wrapping_add(i as u64 * 7919), most)?);
     }
-    let client = reqwest::Client::builder().tcp_nodelay(true).pool_max_idle_per_host(256).build().map_err(|e| e.to_string())?;
+    let client =
+        reqwest::Client::builder().tcp_nodelay(true).pool_max_idle_per_host(256).build().map_err(|e| e.to_string())?;
     let shared = Arc::new(Shared {
         samples: Mutex::new(Vec::new()),
         issued: AtomicUsize::new(0),
@@ -148,7 +154,8 @@ impl Driver {
 
     async fn execute(&self, job: Job) {
         let sample =
-            send(&self.client, &self.target, self.origin, &job.class, job.prompt, job.input_tokens, job.output_tokens).await;
+            send(&self.client, &self.target, self.origin, &job.class, job.prompt, job.input_tokens, job.output_tokens)
+                .await;
         if sample.error.is_some() {
             self.shared.errors.fetch_add(1, Ordering::Relaxed);
         }

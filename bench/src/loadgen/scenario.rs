@@ -121,8 +121,14 @@ impl Scenario {
             if content.starts_with("class ") || content == "class" {
                 words.next();
                 let name = words.next().ok_or_else(|| err(line, content, "a class needs a name"))?;
-                if !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_') || name.len() > 32 {
-                    return Err(err(line, name, "class names are 1-32 characters of a-z, 0-9, `-`, `_` (they become the x-pd-class header)"));
+                if !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+                    || name.len() > 32
+                {
+                    return Err(err(
+                        line,
+                        name,
+                        "class names are 1-32 characters of a-z, 0-9, `-`, `_` (they become the x-pd-class header)",
+                    ));
                 }
                 if scenario.classes.iter().any(|c| c.name == name) {
                     return Err(err(line, name, "class defined twice"));
@@ -176,7 +182,9 @@ impl Scenario {
                 scenario.classes.push(class);
             } else {
                 for word in words {
-                    let (key, value) = word.split_once('=').ok_or_else(|| err(line, word, "expected key=value or `class NAME ...`"))?;
+                    let (key, value) = word
+                        .split_once('=')
+                        .ok_or_else(|| err(line, word, "expected key=value or `class NAME ...`"))?;
                     match key {
                         "duration" => scenario.duration_s = positive(line, key, value)?,
                         "max_requests" => scenario.max_requests = number(line, key, value)?,

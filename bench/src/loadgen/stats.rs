@@ -20,7 +20,13 @@ impl Summary {
     pub fn of(values: impl IntoIterator<Item = f64>) -> Self {
         let mut v: Vec<f64> = values.into_iter().filter(|x| x.is_finite()).collect();
         v.sort_by(f64::total_cmp);
-        Summary { count: v.len(), p50: percentile(&v, 0.50), p95: percentile(&v, 0.95), p99: percentile(&v, 0.99), max: v.last().copied() }
+        Summary {
+            count: v.len(),
+            p50: percentile(&v, 0.50),
+            p95: percentile(&v, 0.95),
+            p99: percentile(&v, 0.99),
+            max: v.last().copied(),
+        }
     }
 }
 

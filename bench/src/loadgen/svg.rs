@@ -174,7 +174,11 @@ pub fn timeline(title: &str, points: &[(f64, f64)], marks: &[f64], mark_label: &
     }
     for m in marks {
         let x = LEFT + m / t_max * pw;
-        out.push_str(&format!("<line x1=\"{x:.1}\" y1=\"{TOP}\" x2=\"{x:.1}\" y2=\"{}\" stroke=\"{}\" stroke-width=\"1\"/>\n", TOP + ph, COLORS[1]));
+        out.push_str(&format!(
+            "<line x1=\"{x:.1}\" y1=\"{TOP}\" x2=\"{x:.1}\" y2=\"{}\" stroke=\"{}\" stroke-width=\"1\"/>\n",
+            TOP + ph,
+            COLORS[1]
+        ));
     }
     for (t, gap) in points.iter().filter(|p| p.1 > 0.0) {
         let x = LEFT + t / t_max * pw;
@@ -199,7 +203,9 @@ mod tests {
         let t = timeline("ITL", &[(0.5, 12.0), (1.0, 900.0)], &[0.7], "document");
         assert_eq!(t.matches("<circle").count(), 2);
         // Large timelines keep every high gap and a sample of the rest.
-        let many: Vec<(f64, f64)> = (0..20_000).map(|i| (i as f64 / 100.0, if i % 1000 == 0 { 5000.0 } else { 20.0 + (i % 7) as f64 })).collect();
+        let many: Vec<(f64, f64)> = (0..20_000)
+            .map(|i| (i as f64 / 100.0, if i % 1000 == 0 { 5000.0 } else { 20.0 + (i % 7) as f64 }))
+            .collect();
         let thinned = thin(&many);
         assert!(thinned.len() <= TIMELINE_POINTS + 20, "{}", thinned.len());
         assert_eq!(thinned.iter().filter(|p| p.1 == 5000.0).count(), 20, "every stall kept");

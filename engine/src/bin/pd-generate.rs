@@ -51,10 +51,7 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     set_compute_threads(args.threads)?;
-    let options = LoadOptions {
-        weights: args.weights,
-        ..LoadOptions::default()
-    };
+    let options = LoadOptions { weights: args.weights, ..LoadOptions::default() };
     let started = Instant::now();
     let engine = Engine::load(&args.model, options, CacheConfig::with_blocks(512))
         .with_context(|| format!("loading {}", args.model.display()))?;

@@ -28,13 +28,7 @@ pub struct BlockManager {
 impl BlockManager {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
         let free = (0..num_blocks as BlockId).rev().collect();
-        BlockManager {
-            pool: Arc::new(Mutex::new(Pool {
-                free,
-                total: num_blocks,
-            })),
-            block_size,
-        }
+        BlockManager { pool: Arc::new(Mutex::new(Pool { free, total: num_blocks })), block_size }
     }
 
     fn lock(&self) -> MutexGuard<'_, Pool> {
@@ -71,28 +65,18 @@ impl BlockManager {
     /// Takes `count` blocks, or none at all if fewer are free.
     pub fn allocate(&self, count: usize) -> Result<BlockAllocation> {
         let ids = self.take(count)?;
-        Ok(BlockAllocation {
-            ids,
-            manager: self.clone(),
-        })
+        Ok(BlockAllocation { ids, manager: self.clone() })
     }
 
     /// An allocation that owns no blocks yet (grows with `ensure_tokens`).
     pub fn empty_allocation(&self) -> BlockAllocation {
-        BlockAllocation {
-            ids: Vec::new(),
-            manager: self.clone(),
-        }
+        BlockAllocation { ids: Vec::new(), manager: self.clone() }
     }
 
     fn take(&self, count: usize) -> Result<Vec<BlockId>> {
         let mut pool = self.lock();
         if pool.free.len() < count {
-            return Err(EngineError::OutOfBlocks {
-                needed: count,
-                free: pool.free.len(),
-                total: pool.total,
-            });
+            return Err(EngineError::OutOfBlocks { needed: count, free: pool.free.len(), total: pool.total });
         }
         let at = pool.free.len() - count;
         Ok(pool.free.split_off(at))
@@ -150,9 +134,7 @@ impl BlockAllocation {
     /// Cache slot (block * block_size + offset) of logical token position `pos`.
     pub fn slot(&self, pos: usize) -> Option<usize> {
         let bs = self.manager.block_size;
-        self.ids
-            .get(pos / bs)
-            .map(|&block| block as usize * bs + pos % bs)
+        self.ids.get(pos / bs).map(|&block| block as usize * bs + pos % bs)
     }
 }
 
@@ -204,14 +186,7 @@ mod tests {
         let manager = BlockManager::new(4, 16);
         let _held = manager.allocate(3).expect("3 of 4");
         let err = manager.allocate(2).expect_err("only 1 free");
-        assert!(matches!(
-            err,
-            EngineError::OutOfBlocks {
-                needed: 2,
-                free: 1,
-                total: 4
-            }
-        ));
+        assert!(matches!(err, EngineError::OutOfBlocks { needed: 2, free: 1, total: 4 }));
         assert!(err.to_string().contains("out of KV blocks"));
         assert_eq!(manager.free_blocks(), 1);
     }

@@ -35,12 +35,7 @@ impl KvCache {
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(KvCache {
-            layers,
-            block_size: config.block_size,
-            num_blocks: config.num_blocks,
-            kv_width,
-        })
+        Ok(KvCache { layers, block_size: config.block_size, num_blocks: config.num_blocks, kv_width })
     }
 
     /// A block manager whose ids address this cache.
@@ -88,10 +83,9 @@ impl KvCache {
     /// Checks that `blocks` all address this cache.
     pub(crate) fn check_blocks(&self, blocks: &[BlockId]) -> Result<()> {
         match blocks.iter().find(|&&b| b as usize >= self.num_blocks) {
-            Some(b) => Err(EngineError::InvalidBatch(format!(
-                "block {b} is outside the cache of {} blocks",
-                self.num_blocks
-            ))),
+            Some(b) => {
+                Err(EngineError::InvalidBatch(format!("block {b} is outside the cache of {} blocks", self.num_blocks)))
+            }
             None => Ok(()),
         }
     }

@@ -74,14 +74,8 @@ impl KvHeader {
         out[4..6].copy_from_slice(&VERSION.to_le_bytes());
         out[6] = self.dtype.code();
         out[8..16].copy_from_slice(&self.fingerprint.to_le_bytes());
-        let fields = [
-            self.model_layers,
-            self.layer_start,
-            self.layer_count,
-            self.num_tokens,
-            self.num_kv_heads,
-            self.head_dim,
-        ];
+        let fields =
+            [self.model_layers, self.layer_start, self.layer_count, self.num_tokens, self.num_kv_heads, self.head_dim];
         for (i, f) in fields.iter().enumerate() {
             out[16 + 4 * i..20 + 4 * i].copy_from_slice(&f.to_le_bytes());
         }
@@ -100,9 +94,7 @@ impl KvHeader {
         }
         let version = u16::from_le_bytes([bytes[4], bytes[5]]);
         if version != VERSION {
-            return Err(EngineError::KvImport(format!(
-                "format version {version}, this build reads {VERSION}"
-            )));
+            return Err(EngineError::KvImport(format!("format version {version}, this build reads {VERSION}")));
         }
         let u32_at = |i: usize| {
             let at = 16 + 4 * i;
@@ -233,11 +225,7 @@ pub fn import_kv_layers(model: &Model, cache: &KvCache, kv: &mut SequenceKv, byt
         return Ok(header);
     }
     let width = model.config().kv_width();
-    let index: Vec<u32> = kv
-        .slots(0, tokens)?
-        .into_iter()
-        .flat_map(|s| std::iter::repeat_n(s, width))
-        .collect();
+    let index: Vec<u32> = kv.slots(0, tokens)?.into_iter().flat_map(|s| std::iter::repeat_n(s, width)).collect();
     let index = Tensor::from_vec(index, (tokens, width), model.device())?;
     let per = header.tensor_bytes();
     for (i, layer) in (header.layer_start as usize..).take(header.layer_count as usize).enumerate() {
@@ -341,10 +329,7 @@ fn append_values(out: &mut Vec<u8>, values: &[f32], dtype: WireDType) {
 
 fn read_values(bytes: &[u8], dtype: WireDType) -> Vec<f32> {
     match dtype {
-        WireDType::F32 => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
+        WireDType::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
         WireDType::F16 => {
             let halves: Vec<f16> = bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]])).collect();
             let mut out = vec![0f32; halves.len()];

@@ -44,9 +44,7 @@ impl GgufFile {
             let bytes = (elems / block * info.ggml_dtype.type_size()) as u64;
             let end = content.tensor_data_offset + info.offset + bytes;
             if end > file_len {
-                return Err(invalid(format!(
-                    "truncated: tensor `{name}` ends at byte {end}, the file has {file_len}"
-                )));
+                return Err(invalid(format!("truncated: tensor `{name}` ends at byte {end}, the file has {file_len}")));
             }
         }
         Ok(GgufFile { path: path.to_path_buf(), reader, content, device: device.clone() })
@@ -69,8 +67,7 @@ impl GgufFile {
             return Err(EngineError::UnsupportedArchitecture(arch));
         }
         let value = |key: &str| {
-            md.get(&format!("{arch}.{key}"))
-                .ok_or_else(|| EngineError::Metadata(format!("no `{arch}.{key}`")))
+            md.get(&format!("{arch}.{key}")).ok_or_else(|| EngineError::Metadata(format!("no `{arch}.{key}`")))
         };
         let int = |key: &str| -> Result<usize> {
             let v = value(key)?;
@@ -80,9 +77,7 @@ impl GgufFile {
                 .map_err(|e| EngineError::Metadata(format!("`{arch}.{key}`: {e}")))
         };
         let float = |key: &str| -> Result<f32> {
-            value(key)?
-                .to_f32()
-                .map_err(|e| EngineError::Metadata(format!("`{arch}.{key}`: {e}")))
+            value(key)?.to_f32().map_err(|e| EngineError::Metadata(format!("`{arch}.{key}`: {e}")))
         };
         let hidden_size = int("embedding_length")?;
         let num_heads = int("attention.head_count")?;
@@ -116,11 +111,7 @@ impl GgufFile {
 
     /// The chat template stored in the file, if any.
     pub fn chat_template(&self) -> Option<String> {
-        self.content
-            .metadata
-            .get("tokenizer.chat_template")
-            .and_then(|v| v.to_string().ok())
-            .cloned()
+        self.content.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned()
     }
 }
 
@@ -129,13 +120,10 @@ impl TensorSource for GgufFile {
         if !self.content.tensor_infos.contains_key(name) {
             return Ok(None);
         }
-        let t = self
-            .content
-            .tensor(&mut self.reader, name, &self.device)
-            .map_err(|e| EngineError::InvalidGguf {
-                path: self.path.clone(),
-                reason: format!("tensor `{name}`: {e}"),
-            })?;
+        let t = self.content.tensor(&mut self.reader, name, &self.device).map_err(|e| EngineError::InvalidGguf {
+            path: self.path.clone(),
+            reason: format!("tensor `{name}`: {e}"),
+        })?;
         Ok(Some(RawTensor::Quant(t)))
     }
 }

@@ -59,8 +59,8 @@ impl HfFolder {
         }
         let text = std::fs::read_to_string(&config_path)
             .map_err(|source| EngineError::Io { path: config_path.clone(), source })?;
-        let config: HfConfig = serde_json::from_str(&text)
-            .map_err(|e| folder_err(path, format!("config.json: {e}")))?;
+        let config: HfConfig =
+            serde_json::from_str(&text).map_err(|e| folder_err(path, format!("config.json: {e}")))?;
         let llama = config.architectures.iter().any(|a| a == "LlamaForCausalLM")
             || config.model_type.as_deref() == Some("llama");
         if !llama {
@@ -138,8 +138,8 @@ impl HfFolder {
             return Ok(None);
         }
         let text = std::fs::read_to_string(&p).map_err(|source| EngineError::Io { path: p.clone(), source })?;
-        let value: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| folder_err(&self.path, format!("tokenizer_config.json: {e}")))?;
+        let value: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| folder_err(&self.path, format!("tokenizer_config.json: {e}")))?;
         Ok(match value.get("chat_template") {
             Some(serde_json::Value::String(s)) => Some(s.clone()),
             Some(serde_json::Value::Array(items)) => items

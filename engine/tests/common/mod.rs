@@ -105,18 +105,11 @@ pub fn tiny_tokenizer() -> tokenizers::Tokenizer {
         .map(String::from)
         .chain(["<s>".to_string(), "</s>".to_string()])
         .collect();
-    let vocab: tokenizers::models::bpe::Vocab =
-        chars.iter().enumerate().map(|(i, c)| (c.clone(), i as u32)).collect();
-    let bpe = tokenizers::models::bpe::BPE::builder()
-        .vocab_and_merges(vocab, Vec::new())
-        .build()
-        .expect("bpe");
+    let vocab: tokenizers::models::bpe::Vocab = chars.iter().enumerate().map(|(i, c)| (c.clone(), i as u32)).collect();
+    let bpe = tokenizers::models::bpe::BPE::builder().vocab_and_merges(vocab, Vec::new()).build().expect("bpe");
     let mut t = tokenizers::Tokenizer::new(bpe);
-    t.add_special_tokens(vec![
-        tokenizers::AddedToken::from("<s>", true),
-        tokenizers::AddedToken::from("</s>", true),
-    ])
-    .expect("special tokens");
+    t.add_special_tokens(vec![tokenizers::AddedToken::from("<s>", true), tokenizers::AddedToken::from("</s>", true)])
+        .expect("special tokens");
     t
 }
 
@@ -157,9 +150,8 @@ pub fn write_gguf(
     skip: &[&str],
 ) {
     let tokenizer = tiny_tokenizer();
-    let tokens: Vec<Value> = (0..config.vocab_size as u32)
-        .map(|i| Value::String(tokenizer.id_to_token(i).expect("token")))
-        .collect();
+    let tokens: Vec<Value> =
+        (0..config.vocab_size as u32).map(|i| Value::String(tokenizer.id_to_token(i).expect("token"))).collect();
     let arch = architecture;
     let metadata: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
@@ -189,13 +181,9 @@ pub fn write_gguf(
 
 /// The real model: `PD_MODEL`, else the file `scripts/fetch-model.sh` puts in models/.
 pub fn real_model_path() -> PathBuf {
-    let path = std::env::var_os("PD_MODEL").map(PathBuf::from).unwrap_or_else(|| {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-    });
-    assert!(
-        path.is_file(),
-        "real model not found at {}: run scripts/fetch-model.sh (or set PD_MODEL)",
-        path.display()
-    );
+    let path = std::env::var_os("PD_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    assert!(path.is_file(), "real model not found at {}: run scripts/fetch-model.sh (or set PD_MODEL)", path.display());
     path
 }

@@ -193,7 +193,13 @@ impl AnyReceiver {
     }
 }
 
-async fn send(to: &str, block_ids: Vec<u32>, frame_delay_ms: u64, timeout_ms: u64, args: &TransferArgs) -> anyhow::Result<()> {
+async fn send(
+    to: &str,
+    block_ids: Vec<u32>,
+    frame_delay_ms: u64,
+    timeout_ms: u64,
+    args: &TransferArgs,
+) -> anyhow::Result<()> {
     let timeout = Duration::from_millis(timeout_ms);
     match args.transport {
         Transport::Grpc => send_with(&GrpcKvSender::connect(to, timeout).await?, block_ids, frame_delay_ms, args).await,
@@ -207,7 +213,12 @@ async fn send(to: &str, block_ids: Vec<u32>, frame_delay_ms: u64, timeout_ms: u6
     }
 }
 
-async fn send_with<S: KvSender>(sender: &S, block_ids: Vec<u32>, frame_delay_ms: u64, args: &TransferArgs) -> anyhow::Result<()> {
+async fn send_with<S: KvSender>(
+    sender: &S,
+    block_ids: Vec<u32>,
+    frame_delay_ms: u64,
+    args: &TransferArgs,
+) -> anyhow::Result<()> {
     let geometry = args.geometry();
     let header = TransferHeader {
         transfer_id: args.transfer_id.clone(),

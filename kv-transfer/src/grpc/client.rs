@@ -2,10 +2,10 @@
 
 use std::time::Duration;
 
-use pd_proto::v1 as pb;
 use pb::kv_receiver_message::Message as Reply;
 use pb::kv_sender_message::Message as Outgoing;
 use pb::kv_transfer_client::KvTransferClient;
+use pd_proto::v1 as pb;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
@@ -41,10 +41,7 @@ impl GrpcKvSender {
             .keep_alive_timeout(timeout)
             .keep_alive_while_idle(true);
         let channel = endpoint.connect().await.map_err(transport)?;
-        Ok(GrpcKvSender {
-            client: KvTransferClient::new(channel).max_decoding_message_size(MAX_MESSAGE),
-            timeout,
-        })
+        Ok(GrpcKvSender { client: KvTransferClient::new(channel).max_decoding_message_size(MAX_MESSAGE), timeout })
     }
 }
 
@@ -112,9 +109,8 @@ impl KvTransfer for GrpcTransfer {
     }
 
     async fn commit(mut self, first_token: u32, prompt_tokens: u32) -> Result<CommitReceipt, TransferError> {
-        let message = pb::KvSenderMessage {
-            message: Some(Outgoing::Commit(pb::KvCommit { first_token, prompt_tokens })),
-        };
+        let message =
+            pb::KvSenderMessage { message: Some(Outgoing::Commit(pb::KvCommit { first_token, prompt_tokens })) };
         self.push(message, "room to send the commit").await?;
         let reply = tokio::time::timeout(self.timeout, self.inbound.message())
             .await
@@ -127,9 +123,8 @@ impl KvTransfer for GrpcTransfer {
     }
 
     async fn abort(mut self, reason: &str) {
-        let message = pb::KvSenderMessage {
-            message: Some(Outgoing::Abort(pb::KvAbort { reason: reason.to_string() })),
-        };
+        let message =
+            pb::KvSenderMessage { message: Some(Outgoing::Abort(pb::KvAbort { reason: reason.to_string() })) };
         // Best effort: if the receiver is gone its lease frees the blocks anyway.
         if self.push(message, "room to send the abort").await.is_ok() {
             // Dropping the response stream would cancel the call before the abort is read:

@@ -4,10 +4,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use pd_proto::v1 as pb;
 use pb::kv_receiver_message::Message as Reply;
 use pb::kv_sender_message::Message as Incoming;
 use pb::kv_transfer_server::{KvTransfer as KvTransferRpc, KvTransferServer};
+use pd_proto::v1 as pb;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -39,10 +39,7 @@ impl KvTransferService {
 
 fn refused(err: &TransferError) -> pb::KvReceiverMessage {
     pb::KvReceiverMessage {
-        message: Some(Reply::Refused(pb::KvRefused {
-            reason: err.to_string(),
-            kind: err.kind().to_string(),
-        })),
+        message: Some(Reply::Refused(pb::KvRefused { reason: err.to_string(), kind: err.kind().to_string() })),
     }
 }
 
@@ -93,9 +90,9 @@ async fn serve_stream(
             },
             (Some(Incoming::Commit(c)), Some(id)) => {
                 let reply = match registry.commit(id, c.first_token, c.prompt_tokens) {
-                    Ok((bytes, frames)) => pb::KvReceiverMessage {
-                        message: Some(Reply::Committed(pb::KvCommitted { bytes, frames })),
-                    },
+                    Ok((bytes, frames)) => {
+                        pb::KvReceiverMessage { message: Some(Reply::Committed(pb::KvCommitted { bytes, frames })) }
+                    }
                     Err(e) => refused(&e),
                 };
                 let _ = out.send(Ok(reply)).await;

@@ -10,9 +10,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use pd_proto::v1 as pb;
 use pb::kv_receiver_message::Message as Reply;
 use pb::kv_sender_message::Message as Incoming;
+use pd_proto::v1 as pb;
 use pd_ucx_sys as sys;
 
 use super::worker::{check, sockaddr, status_error, Worker};
@@ -142,7 +142,12 @@ unsafe extern "C" fn on_ep_error(arg: *mut std::ffi::c_void, ep: sys::ucp_ep_h, 
     ctx.failed.push(ep);
 }
 
-unsafe extern "C" fn on_rndv_done(request: *mut std::ffi::c_void, status: sys::ucs_status_t, length: usize, user: *mut std::ffi::c_void) {
+unsafe extern "C" fn on_rndv_done(
+    request: *mut std::ffi::c_void,
+    status: sys::ucs_status_t,
+    length: usize,
+    user: *mut std::ffi::c_void,
+) {
     // SAFETY: `user` is the Box<Staged> leaked when the receive started; taken back once here.
     let staged = unsafe { Box::from_raw(user as *mut Staged) };
     // SAFETY: the Ctx outlives every operation on its worker.
@@ -378,10 +383,8 @@ fn listen(
     let mut listener: sys::ucp_listener_h = ptr::null_mut();
     // SAFETY: valid worker and params; `storage` outlives the call.
     check("ucp_listener_create", unsafe { sys::ucp_listener_create(worker.worker, &params, &mut listener) })?;
-    let mut attr = sys::ucp_listener_attr_t {
-        field_mask: sys::UCP_LISTENER_ATTR_FIELD_SOCKADDR as u64,
-        ..Default::default()
-    };
+    let mut attr =
+        sys::ucp_listener_attr_t { field_mask: sys::UCP_LISTENER_ATTR_FIELD_SOCKADDR as u64, ..Default::default() };
     // SAFETY: valid listener; attr is written by UCX.
     let queried = check("ucp_listener_query", unsafe { sys::ucp_listener_query(listener, &mut attr) });
     // SAFETY: attr.sockaddr was filled by ucp_listener_query.
@@ -416,7 +419,11 @@ fn accept(worker: &Worker, request: sys::ucp_conn_request_h, ctx: *mut std::ffi:
     }
 }
 
-unsafe extern "C" fn on_reply_sent(request: *mut std::ffi::c_void, _status: sys::ucs_status_t, user: *mut std::ffi::c_void) {
+unsafe extern "C" fn on_reply_sent(
+    request: *mut std::ffi::c_void,
+    _status: sys::ucs_status_t,
+    user: *mut std::ffi::c_void,
+) {
     // SAFETY: `user` is the boxed reply body leaked at send time; freed once here.
     drop(unsafe { Box::from_raw(user as *mut Vec<u8>) });
     // SAFETY: requests handed to callbacks are freed by the application.

@@ -12,9 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use pd_proto::v1 as pb;
 use pb::kv_receiver_message::Message as Reply;
 use pb::kv_sender_message::Message as Outgoing;
+use pd_proto::v1 as pb;
 use pd_ucx_sys as sys;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
@@ -78,7 +78,8 @@ unsafe extern "C" fn on_reply(
     _param: *const sys::ucp_am_recv_param_t,
 ) -> sys::ucs_status_t {
     // SAFETY: `arg` is our Ctx; the header is `header_length` bytes valid during the call.
-    let (ctx, header) = unsafe { (&mut *(arg as *mut Ctx), std::slice::from_raw_parts(header as *const u8, header_length)) };
+    let (ctx, header) =
+        unsafe { (&mut *(arg as *mut Ctx), std::slice::from_raw_parts(header as *const u8, header_length)) };
     if let Ok((id, reply)) = envelope::decode::<pb::KvReceiverMessage>(header) {
         if let (Some(tx), Some(message)) = (ctx.replies.get(&id), reply.message) {
             let _ = tx.send(Ok(message));
@@ -126,7 +127,8 @@ impl UcxKvSender {
     pub async fn connect(addr: SocketAddr, config: UcxConfig, timeout: Duration) -> Result<Self, TransferError> {
         let (tx, rx) = std_mpsc::channel();
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-        let shared = Arc::new(Shared { commands: Mutex::new(tx), stop: AtomicBool::new(false), thread: Mutex::new(None) });
+        let shared =
+            Arc::new(Shared { commands: Mutex::new(tx), stop: AtomicBool::new(false), thread: Mutex::new(None) });
         let stop_ref = Arc::downgrade(&shared);
         let thread = std::thread::Builder::new()
             .name("pd-ucx-sender".into())
@@ -355,13 +357,24 @@ fn send(ep: sys::ucp_ep_h, header: Vec<u8>, data: Vec<u8>, permit: Option<OwnedS
     params.cb.send = Some(on_sent);
     // SAFETY: the buffers live in the boxed InFlight until on_sent (or below) frees it.
     let request = unsafe {
-        sys::ucp_am_send_nbx(ep, AM_TO_RECEIVER, header_ptr as *const _, header_len, data_ptr as *const _, data_len, &params)
+        sys::ucp_am_send_nbx(
+            ep,
+            AM_TO_RECEIVER,
+            header_ptr as *const _,
+            header_len,
+            data_ptr as *const _,
+            data_len,
+            &params,
+        )
     };
     if !sys::ucs_ptr_is_ptr(request) {
         // SAFETY: completed at once or failed: the callback will not run; the box is ours.
         drop(unsafe { Box::from_raw(user) });
         if sys::ucs_ptr_is_err(request) {
-            ctx.fail_all(TransferError::Transport(format!("UCX send failed (status {})", sys::ucs_ptr_status(request))));
+            ctx.fail_all(TransferError::Transport(format!(
+                "UCX send failed (status {})",
+                sys::ucs_ptr_status(request)
+            )));
         }
     }
 }

@@ -38,7 +38,10 @@ impl Worker {
             check("ucp_config_read", sys::ucp_config_read(ptr::null(), ptr::null(), &mut ucp_config))?;
             let set = |name: &str, value: &str| -> Result<(), TransferError> {
                 let (n, v) = (cstring(name)?, cstring(value)?);
-                check(&format!("UCX setting {name}={value}"), sys::ucp_config_modify(ucp_config, n.as_ptr(), v.as_ptr()))
+                check(
+                    &format!("UCX setting {name}={value}"),
+                    sys::ucp_config_modify(ucp_config, n.as_ptr(), v.as_ptr()),
+                )
             };
             let configured = set("TLS", &config.transports).and_then(|_| set("NET_DEVICES", &config.net_devices));
             if let Err(e) = configured {

@@ -9,14 +9,7 @@ use pd_kv_transfer::{Frame, KvGeometry, KvRegistry, MemorySink, Outcome, Reserva
 use tokio::sync::oneshot;
 
 pub fn geometry(dtype: WireDType, layers: u32) -> KvGeometry {
-    KvGeometry {
-        model_fingerprint: 0x5eed,
-        dtype,
-        num_layers: layers,
-        block_size: 16,
-        num_kv_heads: 2,
-        head_dim: 8,
-    }
+    KvGeometry { model_fingerprint: 0x5eed, dtype, num_layers: layers, block_size: 16, num_kv_heads: 2, head_dim: 8 }
 }
 
 /// A receiving side: block pool, memory sink and registry.
@@ -101,7 +94,8 @@ pub fn frames(header: &TransferHeader, seed: u64, per_frame: u32) -> Vec<Frame> 
 /// Checks that the sink holds exactly what `frames` carried, at the header's block ids.
 pub fn assert_landed(receiver: &Receiver, header: &TransferHeader, frames: &[Frame]) {
     for f in frames {
-        let per_block = pd_kv_transfer::receiver::split_frame_payload(&header.geometry, f.block_count as usize, &f.data);
+        let per_block =
+            pd_kv_transfer::receiver::split_frame_payload(&header.geometry, f.block_count as usize, &f.data);
         for (i, expected) in per_block.iter().enumerate() {
             let block = header.block_ids[(f.first_block as usize) + i];
             assert!(

@@ -8,7 +8,11 @@ include!(concat!(env!("OUT_DIR"), "/ucp.rs"));
 ///
 /// # Safety
 /// Same contract as `ucp_init_version`.
-pub unsafe fn ucp_init(params: *const ucp_params_t, config: *const ucp_config_t, context: *mut ucp_context_h) -> ucs_status_t {
+pub unsafe fn ucp_init(
+    params: *const ucp_params_t,
+    config: *const ucp_config_t,
+    context: *mut ucp_context_h,
+) -> ucs_status_t {
     // SAFETY: forwarded from the caller.
     unsafe { ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, params, config, context) }
 }
