@@ -17,7 +17,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 duration="${1:-60}"
 out=bench/results/interference
 model="${PD_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}"
-features=pd-kv-transfer/ucx,pd-bench/ucx
+features=pd-kv-transfer/ucx
 scripts/fetch-model.sh >/dev/null
 cargo build --release --quiet --workspace --bins --features "$features"
 bin=target/release

@@ -9,7 +9,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 rounds="${1:-4}"
 out=bench/results/tmp
 mkdir -p "$out"
-cargo build --release --quiet --workspace --bins --features pd-kv-transfer/ucx,pd-bench/ucx
+cargo build --release --quiet --workspace --bins --features pd-kv-transfer/ucx
 target/release/pd-otlp-sink --listen 127.0.0.1:4317 --report-s 3600 >"$out/sink.log" &
 sink=$!
 trap 'kill $sink 2>/dev/null || true' EXIT

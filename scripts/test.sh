@@ -10,7 +10,7 @@ scripts/install-k8s-tools.sh
 scripts/fetch-model.sh
 # Tests and local runs keep UCX on loopback (the code sets these too; this covers child tools).
 export UCX_NET_DEVICES=lo UCX_TLS="${UCX_TLS:-posix,sysv,cma,tcp}"
-features=pd-kv-transfer/ucx,pd-bench/ucx
+features=pd-kv-transfer/ucx
 cargo fmt --all --check
 # Lints share the release profile's dependency builds (clippy checks, it does not link).
 cargo clippy --release --workspace --all-targets --features "$features" -- -D warnings

@@ -21,7 +21,7 @@ pub struct Config {
     /// Most sequences in one decode step.
     pub max_batch: usize,
     /// How prompts prefilled here share steps with running streams.
-    pub prefill_policy: crate::batcher::PrefillPolicy,
+    pub prefill_policy: crate::batch::PrefillPolicy,
     /// On shutdown, how long running sequences may take to finish before they are ended
     /// with UNAVAILABLE.
     pub grace: Duration,

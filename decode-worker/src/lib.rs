@@ -3,15 +3,21 @@
 //! same port), joins the sequence into the continuously batched decode loop and streams
 //! tokens (pd.v1.DecodeWorker). Requests marked `prefill_here` run their prompt in the batch
 //! instead (colocated serving, and short prompts under conditional disaggregation), with
-//! chunked or naive prefill (`batcher::PrefillPolicy`).
+//! chunked or naive prefill (`batch::PrefillPolicy`).
+//!
+//! Layout: `service` (the request's stages: check, reserve, await commit, admit), `batch`
+//! (the running batch as synchronous state, unit-tested without a model), `batcher` (the
+//! thread that steps the engine over it), `error` (the one mapping to gRPC statuses).
 //!
 //! `/metrics`, `/health` and `/ready` are served on a second, HTTP port. On shutdown
 //! (SIGTERM): readiness fails and new requests are refused; running sequences (and those
 //! whose KV is on its way) finish within the grace period, after which the rest end with
 //! UNAVAILABLE; the process exits once every KV block is free.
 
+pub mod batch;
 pub mod batcher;
 pub mod config;
+pub mod error;
 pub mod service;
 
 use std::future::Future;
@@ -20,7 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pd_engine::Engine;
-use pd_kv_transfer::grpc::{spawn_lease_reaper, KvTransferService};
+use pd_kv_transfer::grpc::{kv_server_builder, spawn_lease_reaper, KvTransferService};
 use pd_kv_transfer::KvRegistry;
 use pd_proto::v1::decode_worker_server::DecodeWorkerServer;
 use pd_telemetry::metrics::DecodeMetrics;
@@ -28,6 +34,7 @@ use pd_telemetry::Metrics;
 use tokio::net::TcpListener;
 
 pub use config::Config;
+pub use error::DecodeError;
 pub use service::DecodeService;
 
 /// Loads the model and serves gRPC on `listener` and the HTTP endpoints on `http` until
@@ -55,7 +62,7 @@ pub async fn run(
             config.max_batch,
             config.prefill_policy,
             decode_metrics.clone(),
-        ),
+        )?,
         engine,
         registry: registry.clone(),
         kv_endpoint: config.advertise.clone().unwrap_or_else(|| addr.to_string()),
@@ -78,10 +85,8 @@ pub async fn run(
         let _ = stop_tx.send(());
     });
     endpoints.set_ready(true);
-    let incoming = pd_kv_transfer::grpc::nodelay_incoming(listener);
-    let result = tonic::transport::Server::builder()
-        .initial_stream_window_size(16 << 20)
-        .initial_connection_window_size(64 << 20)
+    let incoming = pd_proto::nodelay_incoming(listener);
+    let result = kv_server_builder()
         .add_service(DecodeWorkerServer::new(service))
         .add_service(KvTransferService::new(registry).into_server())
         .serve_with_incoming_shutdown(incoming, async {

@@ -39,7 +39,7 @@ struct Args {
     /// Prompts prefilled here (colocated or short ones): `chunked` (256 tokens per step
     /// shared with the decode rows), `chunked:N`, or `naive` (a whole prompt in one step).
     #[arg(long, env = "PD_PREFILL_POLICY", default_value = "chunked")]
-    prefill_policy: pd_decode::batcher::PrefillPolicy,
+    prefill_policy: pd_decode::batch::PrefillPolicy,
     /// Compute threads.
     #[arg(long, env = "PD_THREADS", default_value_t = 1)]
     threads: usize,

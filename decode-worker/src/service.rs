@@ -1,27 +1,37 @@
-//! The `pd.v1.DecodeWorker` service: decode-first reservation (blocks for the prompt and its
-//! whole output under a lease), the KV target, then the token stream from the batch loop.
+//! The `pd.v1.DecodeWorker` service. One request goes through named stages:
 //!
-//! Spans in the request's trace: `decode.admit` (the reservation), `kv.receive` (header
-//! accepted to commit, as measured by the KV registry; a child of the prefill worker's
-//! `kv.send`, whose context came in the transfer header) and `decode.generate` (first token
-//! to last, in the batch loop). While draining, new requests are refused with UNAVAILABLE.
+//! - `check`: the request against this worker's model (context length, sampling);
+//! - `reserve`: blocks for the prompt and its whole output under a lease (decode-first), and
+//!   the KV target the router hands to a prefill worker;
+//! - `await_commit`: the KV arrives (or the client leaves, or the transfer fails);
+//! - `admit`: the sequence joins the batch loop, which streams its tokens.
+//!
+//! A prompt prefilled here (`prefill_here`) skips the transfer: `admit_local` reserves and
+//! admits it with its prompt still to run. Spans in the request's trace: `decode.admit` (the
+//! reservation), `kv.receive` (header accepted to commit, as measured by the KV registry; a
+//! child of the prefill worker's `kv.send`, whose context came in the transfer header) and
+//! `decode.generate` (in the batch loop). While draining, new requests are refused.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use pb::decode_worker_server::DecodeWorker;
-use pd_engine::{Engine, SamplingParams, SequenceKv, WireDType};
+use pd_engine::{BlockAllocation, Engine, SamplingParams, SequenceKv, WireDType};
+use pd_kv_transfer::convert::{sampling_from_pb, Target};
 use pd_kv_transfer::engine_io::geometry_of;
-use pd_kv_transfer::{KvRegistry, Reservation, TransferError};
+use pd_kv_transfer::{CommittedKv, KvRegistry, Outcome, Reservation};
 use pd_proto::v1 as pb;
 use pd_telemetry::metrics::DecodeMetrics;
-use pd_telemetry::{input_bucket, RequestClass, StageSpan};
-use tokio::sync::mpsc;
+use pd_telemetry::opentelemetry::Context;
+use pd_telemetry::{RequestClass, StageLabels, StageSpan};
+use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::batcher::{Admission, Batcher, Event, Start};
+use crate::batch::{event, Admission, Event, Received, Start};
+use crate::batcher::Batcher;
+use crate::error::DecodeError;
 
 /// Shared state of the decode worker's services.
 #[derive(Debug, Clone)]
@@ -36,25 +46,23 @@ pub struct DecodeService {
     pub(crate) stopping: Arc<AtomicBool>,
 }
 
-/// Request sampling parameters in the engine's terms, or INVALID_ARGUMENT naming the field.
-pub fn sampling_from_pb(s: Option<pb::SamplingParams>) -> Result<SamplingParams, Status> {
-    let s = s.ok_or_else(|| Status::invalid_argument("sampling is required"))?;
-    let params = SamplingParams {
-        temperature: s.temperature as f64,
-        top_k: (s.top_k > 0).then_some(s.top_k as usize),
-        top_p: (s.top_p > 0.0).then_some(s.top_p as f64),
-        seed: s.seed,
-        max_tokens: s.max_tokens as usize,
-        stop_token_ids: s.stop_token_ids,
-        stop_strings: s.stop,
-        ignore_eos: s.ignore_eos,
-    };
-    params.validate().map_err(|e| Status::invalid_argument(e.to_string()))?;
-    Ok(params)
+/// A request that passed `check`, with what every later stage needs.
+struct Checked {
+    request_id: String,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    lease: Duration,
+    /// The request's trace context and metric labels.
+    parent: Context,
+    labels: StageLabels,
 }
 
-fn transfer_status(e: TransferError) -> Status {
-    e.to_status()
+/// A reservation waiting for its KV.
+struct Reserved {
+    target: Target,
+    outcome: oneshot::Receiver<Outcome>,
+    /// The output's blocks, joined to the prompt's once the KV is committed.
+    growth: BlockAllocation,
 }
 
 impl DecodeService {
@@ -69,89 +77,160 @@ impl DecodeService {
         self.metrics.kv_usage.set(self.engine.blocks().usage_ratio());
     }
 
-    /// A request whose prompt runs here, in the batch: blocks for prompt and output now, no
-    /// KV target, no transfer.
-    fn generate_here(
-        &self,
-        req: pb::DecodeRequest,
-        params: SamplingParams,
-        parent: pd_telemetry::opentelemetry::Context,
-        class: String,
-        admit: StageSpan,
-    ) -> Result<Response<UnboundedReceiverStream<Event>>, Status> {
-        let blocks = self.engine.blocks();
-        let prompt_tokens = req.prompt_tokens.len();
-        let alloc = match blocks.allocate(blocks.blocks_for(prompt_tokens + params.max_tokens)) {
-            Ok(a) => a,
-            Err(e) => return Err(self.refuse(&admit, "kv_blocks", Status::resource_exhausted(e.to_string()))),
-        };
-        admit.set("pd.request_id", req.request_id.clone());
-        admit.set("pd.prefill_here", true);
-        admit.set("pd.kv.blocks_reserved", alloc.ids().len() as i64);
-        admit.end();
-        let (tx, rx) = mpsc::unbounded_channel::<Event>();
-        let span = StageSpan::start("decode.generate", &parent);
-        span.set("pd.request_id", req.request_id.clone());
-        span.set("pd.prefill_here", true);
-        let admission = Admission {
-            kv: SequenceKv::new(alloc),
-            start: Start::Prompt(req.prompt_tokens),
-            params,
-            prompt_tokens,
-            kv_transfer_ms: 0.0,
-            kv_bytes: 0,
-            events: tx.clone(),
-            span,
-            labels: [class, input_bucket(prompt_tokens).to_string()],
-        };
-        self.batcher.admit(admission)?;
-        Ok(Response::new(UnboundedReceiverStream::new(rx)))
+    /// Counts and records a refusal; the status the router gets.
+    fn refuse(&self, span: &StageSpan, error: DecodeError) -> Status {
+        span.error(error.to_string());
+        self.metrics.rejected.with_label_values(&[error.reason()]).inc();
+        error.to_status()
     }
 
-    /// Checks a request; returns its sampling parameters.
-    fn check(&self, req: &pb::DecodeRequest) -> Result<SamplingParams, Status> {
+    fn check(&self, req: pb::DecodeRequest, parent: Context, class: &RequestClass) -> Result<Checked, DecodeError> {
         if req.request_id.is_empty() {
-            return Err(Status::invalid_argument("request_id is required"));
+            return Err(DecodeError::Invalid("request_id is required".into()));
         }
         if req.prompt_tokens.is_empty() {
-            return Err(Status::invalid_argument("prompt_tokens is empty"));
+            return Err(DecodeError::Invalid("prompt_tokens is empty".into()));
         }
-        let params = sampling_from_pb(req.sampling.clone())?;
+        let params = sampling_from_pb(req.sampling.as_ref())?;
         let max = self.engine.model().config().max_position;
-        let total = req.prompt_tokens.len() + params.max_tokens;
-        if total > max {
-            return Err(Status::invalid_argument(format!(
-                "prompt_tokens ({}) + max_tokens ({}) exceed the context length of {max}",
-                req.prompt_tokens.len(),
+        let prompt = req.prompt_tokens.len();
+        if prompt + params.max_tokens > max {
+            let m = format!(
+                "prompt_tokens ({prompt}) + max_tokens ({}) exceed the context length of {max}",
                 params.max_tokens
-            )));
+            );
+            return Err(DecodeError::Invalid(m));
         }
-        Ok(params)
+        let lease = if req.lease_ms > 0 { Duration::from_millis(req.lease_ms.into()) } else { self.lease };
+        let labels = StageLabels::new(class, prompt);
+        Ok(Checked { request_id: req.request_id, prompt: req.prompt_tokens, params, lease, parent, labels })
     }
 
-    fn refuse(&self, span: &StageSpan, reason: &'static str, status: Status) -> Status {
-        span.error(status.message());
-        self.metrics.rejected.with_label_values(&[reason]).inc();
-        status
-    }
-
-    fn target(&self, id: &str, block_ids: Vec<u32>, lease: Duration) -> pb::KvTarget {
-        let g = geometry_of(&self.engine, self.kv_dtype);
-        let deadline = SystemTime::now() + lease;
-        pb::KvTarget {
-            transfer_id: id.to_string(),
+    /// Blocks for the prompt and the whole output (so decoding never runs out of KV), the
+    /// prompt's under a transfer reservation.
+    fn reserve(&self, c: &Checked, admit: &StageSpan) -> Result<Reserved, DecodeError> {
+        let blocks = self.engine.blocks();
+        let prompt_blocks = blocks.blocks_for(c.prompt.len());
+        let total_blocks = blocks.blocks_for(c.prompt.len() + c.params.max_tokens);
+        let prompt_alloc = blocks.allocate(prompt_blocks).map_err(DecodeError::OutOfBlocks)?;
+        let growth = blocks.allocate(total_blocks - prompt_blocks).map_err(DecodeError::OutOfBlocks)?;
+        let geometry = geometry_of(&self.engine, self.kv_dtype);
+        let target = Target {
+            transfer_id: c.request_id.clone(),
             kv_endpoint: self.kv_endpoint.clone(),
-            block_ids,
-            model_fingerprint: g.model_fingerprint,
-            block_size: g.block_size,
-            dtype: match g.dtype {
-                WireDType::F16 => pb::KvDtype::F16 as i32,
-                WireDType::F32 => pb::KvDtype::F32 as i32,
-            },
-            num_layers: g.num_layers,
-            num_kv_heads: g.num_kv_heads,
-            head_dim: g.head_dim,
-            lease_deadline_unix_ms: deadline.duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
+            geometry,
+            block_ids: prompt_alloc.ids().to_vec(),
+            lease_deadline: SystemTime::now() + c.lease,
+        };
+        let reservation = Reservation {
+            transfer_id: c.request_id.clone(),
+            geometry,
+            blocks: prompt_alloc,
+            num_tokens: c.prompt.len() as u32,
+            lease: c.lease,
+        };
+        let outcome = self.registry.reserve(reservation).map_err(DecodeError::Reservation)?;
+        admit.set("pd.kv.blocks_reserved", total_blocks as i64);
+        admit.set("pd.kv.free_blocks_after", blocks.free_blocks() as i64);
+        Ok(Reserved { target, outcome, growth })
+    }
+
+    /// A prompt that runs here: blocks for prompt and output now, no KV target, no transfer.
+    fn admit_local(&self, c: Checked, events: mpsc::UnboundedSender<Event>) -> Result<(), DecodeError> {
+        let blocks = self.engine.blocks();
+        let alloc = blocks.allocate(blocks.blocks_for(c.prompt.len() + c.params.max_tokens));
+        let kv = SequenceKv::new(alloc.map_err(DecodeError::OutOfBlocks)?);
+        let span = StageSpan::start("decode.generate", &c.parent);
+        span.set("pd.request_id", c.request_id);
+        span.set("pd.prefill_here", true);
+        let prompt_tokens = c.prompt.len();
+        let admission = Admission {
+            kv,
+            start: Start::Prompt(c.prompt),
+            params: c.params,
+            prompt_tokens,
+            received: Received::default(),
+            events,
+            span,
+            labels: c.labels,
+        };
+        self.batcher.admit(admission)
+    }
+
+    /// Waits for the reservation's KV; None (after telling the stream why) when it will not
+    /// come: the transfer failed, or the client went away (then the blocks are freed now).
+    async fn await_commit(
+        &self,
+        c: &Checked,
+        outcome: oneshot::Receiver<Outcome>,
+        events: &mpsc::UnboundedSender<Event>,
+    ) -> Option<CommittedKv> {
+        let outcome = tokio::select! {
+            outcome = outcome => outcome,
+            _ = events.closed() => {
+                let _ = self.registry.abort(&c.request_id, "client disconnected");
+                return None;
+            }
+        };
+        let error = match outcome {
+            Ok(Ok(committed)) => return Some(committed),
+            Ok(Err(e)) => DecodeError::Transfer(e),
+            Err(_) => DecodeError::Internal("the KV reservation vanished".into()),
+        };
+        StageSpan::start("kv.receive", &c.parent).error(error.to_string());
+        let _ = events.send(Err(error.to_status()));
+        None
+    }
+
+    /// The receive as the registry measured it (header accepted to commit), as span and metrics.
+    fn record_receive(&self, c: &Checked, committed: &CommittedKv) {
+        let now = SystemTime::now();
+        let parent = pd_telemetry::otel::extract_map(&committed.trace_context);
+        let receive =
+            StageSpan::start_at("kv.receive", &parent, now.checked_sub(committed.receive_time).unwrap_or(now));
+        receive.set("pd.kv.bytes", committed.bytes as i64);
+        receive.set("pd.kv.frames", committed.frames as i64);
+        receive.set("pd.kv.layers", self.engine.model().config().num_layers as i64);
+        receive.end_at(now);
+        c.labels.observe(&self.metrics.kv_transfer_time, committed.receive_time.as_secs_f64());
+        self.metrics.kv_transfer_bytes.inc_by(committed.bytes);
+    }
+
+    /// Joins a committed sequence to the batch.
+    fn admit(
+        &self,
+        c: Checked,
+        committed: CommittedKv,
+        growth: BlockAllocation,
+        events: mpsc::UnboundedSender<Event>,
+    ) -> Result<(), DecodeError> {
+        let received =
+            Received { kv_transfer_ms: committed.receive_time.as_secs_f64() * 1e3, kv_bytes: committed.bytes };
+        let mut blocks = committed.blocks;
+        blocks.absorb(growth).map_err(|e| DecodeError::Internal(e.to_string()))?;
+        let mut kv = SequenceKv::new(blocks);
+        kv.commit_len(committed.num_tokens as usize);
+        let span = StageSpan::start("decode.generate", &c.parent);
+        span.set("pd.request_id", c.request_id);
+        let admission = Admission {
+            kv,
+            start: Start::Prefilled { first_token: committed.first_token },
+            params: c.params,
+            prompt_tokens: c.prompt.len(),
+            received,
+            events,
+            span,
+            labels: c.labels,
+        };
+        self.batcher.admit(admission)
+    }
+
+    /// The stages after the reservation, on their own task.
+    async fn follow(self, c: Checked, reserved: Reserved, events: mpsc::UnboundedSender<Event>) {
+        let Some(committed) = self.await_commit(&c, reserved.outcome, &events).await else { return };
+        self.record_receive(&c, &committed);
+        if let Err(e) = self.admit(c, committed, reserved.growth, events.clone()) {
+            let _ = events.send(Err(e.to_status()));
         }
     }
 }
@@ -162,135 +241,33 @@ impl DecodeWorker for DecodeService {
 
     async fn generate(&self, request: Request<pb::DecodeRequest>) -> Result<Response<Self::GenerateStream>, Status> {
         let parent = pd_telemetry::otel::extract_metadata(request.metadata());
-        let class = RequestClass::from_metadata(request.metadata()).as_str().to_string();
+        let class = RequestClass::from_metadata(request.metadata());
         let admit = StageSpan::start("decode.admit", &parent);
         if self.stopping.load(Ordering::Relaxed) {
-            return Err(self.refuse(
-                &admit,
-                "shutting_down",
-                Status::unavailable("the decode worker is shutting down"),
-            ));
+            return Err(self.refuse(&admit, DecodeError::ShuttingDown));
         }
         let req = request.into_inner();
-        let checked = self.check(&req);
-        let params = match checked {
-            Ok(p) => p,
-            Err(status) => return Err(self.refuse(&admit, "invalid_request", status)),
-        };
-        if req.prefill_here {
-            return self.generate_here(req, params, parent, class, admit);
+        let prefill_here = req.prefill_here;
+        let checked = self.check(req, parent, &class).map_err(|e| self.refuse(&admit, e))?;
+        admit.set("pd.request_id", checked.request_id.clone());
+        admit.set("pd.prefill_here", prefill_here);
+        admit.set("gen_ai.request.max_tokens", checked.params.max_tokens as i64);
+        let (events, rx) = mpsc::unbounded_channel::<Event>();
+        if prefill_here {
+            self.admit_local(checked, events).map_err(|e| self.refuse(&admit, e))?;
+        } else {
+            let reserved = self.reserve(&checked, &admit).map_err(|e| self.refuse(&admit, e))?;
+            let _ = events.send(event(pb::decode_event::Event::Target(reserved.target.to_pb())));
+            tokio::spawn(self.clone().follow(checked, reserved, events));
         }
-        let total = req.prompt_tokens.len() + params.max_tokens;
-        let blocks = self.engine.blocks();
-        let prompt_blocks = blocks.blocks_for(req.prompt_tokens.len());
-        // The whole output's blocks are taken now, so decoding never runs out of KV.
-        let allocated = blocks.allocate(prompt_blocks).and_then(|prompt| {
-            blocks.allocate(blocks.blocks_for(total) - prompt_blocks).map(|growth| (prompt, growth))
-        });
-        let (prompt_alloc, growth) = match allocated {
-            Ok(a) => a,
-            Err(e) => return Err(self.refuse(&admit, "kv_blocks", Status::resource_exhausted(e.to_string()))),
-        };
-        admit.set("pd.request_id", req.request_id.clone());
-        admit.set("pd.kv.blocks_reserved", (prompt_alloc.ids().len() + growth.ids().len()) as i64);
-        admit.set("gen_ai.request.max_tokens", params.max_tokens as i64);
-        let lease = if req.lease_ms > 0 { Duration::from_millis(req.lease_ms as u64) } else { self.lease };
-        let block_ids = prompt_alloc.ids().to_vec();
-        let outcome = self
-            .registry
-            .reserve(Reservation {
-                transfer_id: req.request_id.clone(),
-                geometry: geometry_of(&self.engine, self.kv_dtype),
-                blocks: prompt_alloc,
-                num_tokens: req.prompt_tokens.len() as u32,
-                lease,
-            })
-            .map_err(|e| match e {
-                TransferError::Protocol(m) if m.contains("already reserved") => Status::already_exists(m),
-                other => transfer_status(other),
-            });
-        let outcome = match outcome {
-            Ok(o) => o,
-            Err(status) => return Err(self.refuse(&admit, "reservation", status)),
-        };
-        admit.set("pd.kv.free_blocks_after", blocks.free_blocks() as i64);
         admit.end();
-        let (tx, rx) = mpsc::unbounded_channel::<Event>();
-        let target = self.target(&req.request_id, block_ids, lease);
-        let _ = tx.send(crate::batcher::event(pb::decode_event::Event::Target(target)));
-        let (registry, batcher, id) = (self.registry.clone(), self.batcher.clone(), req.request_id.clone());
-        let prompt_tokens = req.prompt_tokens.len();
-        let labels = [class, input_bucket(prompt_tokens).to_string()];
-        let metrics = self.metrics.clone();
-        let layers = self.engine.model().config().num_layers as i64;
-        tokio::spawn(async move {
-            let committed = tokio::select! {
-                outcome = outcome => outcome,
-                _ = tx.closed() => {
-                    // The client went away before the KV arrived: free the reservation now.
-                    let _ = registry.abort(&id, "client disconnected");
-                    return;
-                }
-            };
-            let committed = match committed {
-                Ok(Ok(c)) => c,
-                Ok(Err(e)) => {
-                    StageSpan::start("kv.receive", &parent).error(e.to_string());
-                    let _ = tx.send(Err(transfer_status(e)));
-                    return;
-                }
-                Err(_) => {
-                    let _ = tx.send(Err(Status::internal("the KV reservation vanished")));
-                    return;
-                }
-            };
-            // The receive as the registry measured it: header accepted to commit.
-            let now = SystemTime::now();
-            let receive = StageSpan::start_at(
-                "kv.receive",
-                &pd_telemetry::otel::extract_map(&committed.trace_context),
-                now.checked_sub(committed.receive_time).unwrap_or(now),
-            );
-            receive.set("pd.kv.bytes", committed.bytes as i64);
-            receive.set("pd.kv.frames", committed.frames as i64);
-            receive.set("pd.kv.layers", layers);
-            receive.end_at(now);
-            metrics
-                .kv_transfer_time
-                .with_label_values(&[labels[0].as_str(), labels[1].as_str()])
-                .observe(committed.receive_time.as_secs_f64());
-            metrics.kv_transfer_bytes.inc_by(committed.bytes);
-            let mut blocks = committed.blocks;
-            if let Err(e) = blocks.absorb(growth) {
-                let _ = tx.send(Err(Status::internal(e.to_string())));
-                return;
-            }
-            let mut kv = SequenceKv::new(blocks);
-            kv.commit_len(committed.num_tokens as usize);
-            let span = StageSpan::start("decode.generate", &parent);
-            span.set("pd.request_id", id.clone());
-            let admission = Admission {
-                kv,
-                start: Start::Prefilled { first_token: committed.first_token },
-                params,
-                prompt_tokens,
-                kv_transfer_ms: committed.receive_time.as_secs_f64() * 1e3,
-                kv_bytes: committed.bytes,
-                events: tx.clone(),
-                span,
-                labels,
-            };
-            if let Err(status) = batcher.admit(admission) {
-                let _ = tx.send(Err(status));
-            }
-        });
         Ok(Response::new(UnboundedReceiverStream::new(rx)))
     }
 
     async fn load(&self, _request: Request<pb::LoadRequest>) -> Result<Response<pb::DecodeLoad>, Status> {
         if self.stopping.load(Ordering::Relaxed) {
             // The router's choice skips workers whose load query fails.
-            return Err(Status::unavailable("the decode worker is shutting down"));
+            return Err(DecodeError::ShuttingDown.to_status());
         }
         let blocks = self.engine.blocks();
         Ok(Response::new(pb::DecodeLoad {

@@ -28,7 +28,7 @@ if [[ -z "${PD_MODEL:-}" ]]; then
 fi
 [[ -f "$model" ]] || { echo "up.sh: model $model not found" >&2; exit 1; }
 # Same features as scripts/test.sh, so one set of build artifacts serves both.
-cargo build --release --quiet --workspace --bins --features pd-kv-transfer/ucx,pd-bench/ucx
+cargo build --release --quiet --workspace --bins --features pd-kv-transfer/ucx
 bin=target/release
 logs="$(mktemp -d)"
 pids=()

@@ -139,4 +139,28 @@ impl Tokenizer {
     pub fn from_inner(inner: tokenizers::Tokenizer, eos_ids: Vec<u32>, bos_id: Option<u32>) -> Self {
         Tokenizer { inner, eos_ids, bos_id }
     }
+
+    /// A tokenizer of 64 single characters (`a`-`z`, `A`-`Z`, `0`-`7`, space, `.`; `<s>` = 62,
+    /// `</s>` = 63 and end of sequence): for tests of code that needs text but no model, and
+    /// for the tiny random-weight test models.
+    pub fn characters() -> Result<Self> {
+        let chars: Vec<String> = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567 ."
+            .chars()
+            .map(String::from)
+            .chain(["<s>".to_string(), "</s>".to_string()])
+            .collect();
+        let vocab: tokenizers::models::bpe::Vocab =
+            chars.iter().enumerate().map(|(i, c)| (c.clone(), i as u32)).collect();
+        let bpe = BPE::builder().vocab_and_merges(vocab, Vec::new()).build().map_err(tok_err)?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner
+            .add_special_tokens(vec![AddedToken::from("<s>", true), AddedToken::from("</s>", true)])
+            .map_err(tok_err)?;
+        Ok(Tokenizer { inner, eos_ids: vec![63], bos_id: Some(62) })
+    }
+
+    /// The wrapped `tokenizers` tokenizer.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
 }

@@ -10,6 +10,9 @@ pub enum TransferError {
     /// No reservation has this transfer id (never made, already committed or freed).
     #[error("unknown transfer `{0}`")]
     UnknownTransfer(String),
+    /// A reservation with this transfer id exists already.
+    #[error("transfer `{0}` is already reserved")]
+    AlreadyReserved(String),
     /// The reservation's lease ran out; its blocks were freed.
     #[error("lease of transfer `{0}` expired")]
     LeaseExpired(String),
@@ -54,6 +57,7 @@ impl TransferError {
         match self {
             TransferError::Incompatible(_) => "incompatible",
             TransferError::UnknownTransfer(_) => "unknown_transfer",
+            TransferError::AlreadyReserved(_) => "already_reserved",
             TransferError::LeaseExpired(_) => "lease_expired",
             TransferError::LayerOutOfRange { .. } => "layer_out_of_range",
             TransferError::BlockNotReserved { .. } => "block_not_reserved",
@@ -86,6 +90,7 @@ impl TransferError {
         let code = match self {
             TransferError::Incompatible(_) => Code::FailedPrecondition,
             TransferError::UnknownTransfer(_) => Code::NotFound,
+            TransferError::AlreadyReserved(_) => Code::AlreadyExists,
             TransferError::LeaseExpired(_) => Code::DeadlineExceeded,
             TransferError::LayerOutOfRange { .. }
             | TransferError::BlockNotReserved { .. }

@@ -4,12 +4,14 @@
 //! - `wire`: geometry, header and frame types, frame planning (at most 1 MiB each).
 //! - `receiver`: reservations with leases and every check a frame must pass (`KvRegistry`),
 //!   and the `KvSink` the data is written to (the engine's KV cache implements it).
-//! - `engine_io`: the engine's side: model geometry, layer frames, the cache as sink, and a
-//!   prefill that ships each layer as soon as it is computed.
+//! - `engine_io`: the engine's side: model geometry, layer frames, the cache as sink.
+//! - `convert`: the one place pd.v1 messages become engine types and back (sampling, KV
+//!   target, dtype).
 //! - `grpc`: the always-built transport (tonic bidirectional stream with backpressure).
 //! - `ucx` (feature `ucx`): the UCX transport (active messages; tcp, shared memory, RDMA).
 //! - `KvSender` / `KvReceiver`: what a transport backend provides.
 
+pub mod convert;
 pub mod engine_io;
 pub mod error;
 pub mod grpc;

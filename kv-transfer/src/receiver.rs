@@ -162,7 +162,7 @@ impl KvRegistry {
         };
         let mut entries = lock(&self.entries);
         if entries.contains_key(&r.transfer_id) {
-            return Err(TransferError::Protocol(format!("transfer `{}` is already reserved", r.transfer_id)));
+            return Err(TransferError::AlreadyReserved(r.transfer_id));
         }
         entries.insert(r.transfer_id, Arc::new(Mutex::new(entry)));
         Ok(rx)

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use pd_engine::WireDType;
 use pd_proto::v1 as pb;
 
+use crate::convert::{dtype_from_pb, dtype_to_pb};
 use crate::error::TransferError;
 
 /// Largest frame payload: keeps gRPC messages small and memory per frame bounded.
@@ -126,21 +127,6 @@ impl Frame {
 pub fn frame_runs(geometry: &KvGeometry, num_blocks: usize) -> Vec<(u32, u32)> {
     let per = geometry.blocks_per_frame();
     (0..num_blocks).step_by(per).map(|first| (first as u32, per.min(num_blocks - first) as u32)).collect()
-}
-
-pub(crate) fn dtype_to_pb(dtype: WireDType) -> pb::KvDtype {
-    match dtype {
-        WireDType::F16 => pb::KvDtype::F16,
-        WireDType::F32 => pb::KvDtype::F32,
-    }
-}
-
-pub(crate) fn dtype_from_pb(value: i32) -> Result<WireDType, TransferError> {
-    match pb::KvDtype::try_from(value) {
-        Ok(pb::KvDtype::F16) => Ok(WireDType::F16),
-        Ok(pb::KvDtype::F32) => Ok(WireDType::F32),
-        _ => Err(TransferError::Incompatible(format!("dtype code {value} is not f16 or f32"))),
-    }
 }
 
 impl TransferHeader {

@@ -3,13 +3,20 @@
 //! the layer is computed, commits with the first token and returns that token with the
 //! timings measured here (pd.v1.PrefillWorker). Prompts take turns on the engine chunk by
 //! chunk, shortest remaining first (`gate`), so a short prompt does not wait behind a whole
-//! long document; what waits is reported as waiting prefill tokens.
+//! long document; what waits is reported as waiting prefill tokens (`gauges`).
+//!
+//! Stages of one request: `service` checks it and reports its spans and metrics; `pipeline`
+//! computes and ships (blocks at the first turn, chunks, the last chunk layer by layer, the
+//! first token and the commit); `error` is the one mapping of failures to gRPC statuses.
 //!
 //! `/metrics`, `/health` and `/ready` are served on a second, HTTP port. On shutdown
 //! (SIGTERM) readiness fails, new prefills are refused, and the process exits once the
 //! accepted ones are answered (or the grace period ends).
 
+pub mod error;
 pub mod gate;
+pub mod gauges;
+pub mod pipeline;
 pub mod service;
 
 use std::future::Future;
@@ -23,7 +30,8 @@ use pd_telemetry::metrics::PrefillMetrics;
 use pd_telemetry::Metrics;
 use tokio::net::TcpListener;
 
-pub use service::PrefillService;
+pub use error::PrefillError;
+pub use service::{PrefillService, ServiceConfig};
 
 /// Everything `run` needs.
 #[derive(Debug, Clone)]
@@ -56,13 +64,9 @@ pub async fn run(
         let config = config.clone();
         tokio::task::spawn_blocking(move || Engine::load(&config.model, config.load, config.cache)).await??
     };
-    let service = PrefillService::new(
-        Arc::new(engine),
-        config.chunk,
-        config.kv_timeout,
-        config.max_wait,
-        PrefillMetrics::register(&metrics),
-    );
+    let service_config =
+        ServiceConfig { chunk: config.chunk, kv_timeout: config.kv_timeout, max_wait: config.max_wait };
+    let service = PrefillService::new(Arc::new(engine), service_config, PrefillMetrics::register(&metrics));
     let scraped = service.clone();
     metrics.on_scrape(move || scraped.refresh_gauges());
     let draining = service.clone();
@@ -88,7 +92,7 @@ pub async fn run(
         let _ = stop_tx.send(());
     });
     endpoints.set_ready(true);
-    let incoming = pd_kv_transfer::grpc::nodelay_incoming(listener);
+    let incoming = pd_proto::nodelay_incoming(listener);
     let result = tonic::transport::Server::builder()
         .add_service(PrefillWorkerServer::new(service))
         .serve_with_incoming_shutdown(incoming, async {

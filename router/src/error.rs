@@ -4,8 +4,10 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
+use crate::api::response::{ErrorBody, ErrorDetail};
+
 /// Everything a request can fail with at the router.
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RouterError {
     /// The request is malformed; names the field.
     #[error("{message}")]
@@ -77,15 +79,13 @@ impl RouterError {
         }
     }
 
-    pub fn body(&self) -> serde_json::Value {
+    pub fn body(&self) -> ErrorBody {
         let param = match self {
             RouterError::InvalidRequest { param, .. } => param.clone(),
             RouterError::ModelNotFound(_) => Some("model".into()),
             _ => None,
         };
-        serde_json::json!({
-            "error": { "message": self.to_string(), "type": self.error_type(), "param": param, "code": null }
-        })
+        ErrorBody { error: ErrorDetail { message: self.to_string(), kind: self.error_type(), param, code: None } }
     }
 
     pub fn to_status(&self) -> tonic::Status {

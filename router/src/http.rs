@@ -16,12 +16,14 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::StreamExt;
 use pd_engine::TextSide;
-use serde_json::json;
 
+use crate::api::request;
+use crate::api::response::{object_name, Choice, Chunk, ChunkChoice, Completion, ModelList, Usage};
 use crate::error::RouterError;
-use crate::lifecycle::{self, Update};
+use crate::lifecycle::{self, Updates};
 use crate::record::{Arrival, RequestRecord};
-use crate::validate::{validate, Kind, Limits, ValidRequest};
+use crate::relay::Update;
+use crate::validate::{validate, GenerateParams, Kind, Limits, ValidRequest};
 use crate::workers::Pools;
 use pd_telemetry::metrics::RouterMetrics;
 use pd_telemetry::{Metrics, RequestClass};
@@ -29,7 +31,7 @@ use pd_telemetry::{Metrics, RequestClass};
 /// What the HTTP and gRPC front ends share.
 #[derive(Debug)]
 pub struct AppState {
-    pub text: TextSide,
+    pub text: Arc<TextSide>,
     pub pools: Arc<Pools>,
     pub limits: Limits,
     pub model_name: String,
@@ -56,22 +58,29 @@ impl AppState {
         }
     }
 
-    /// Validation's outcome as a record: a failed one is logged, counted and answered.
-    pub fn admit(
-        &self,
+    /// The `validate` stage, off the async runtime (it renders and tokenizes), and the
+    /// request's record: a refused request is logged, counted and answered.
+    pub async fn accept(
+        self: &Arc<Self>,
         arrival: Arrival,
         class: Result<RequestClass, RouterError>,
-        validated: Result<ValidRequest, RouterError>,
+        params: Result<GenerateParams, RouterError>,
         request_id: String,
     ) -> Result<(ValidRequest, RequestRecord), RouterError> {
-        let checked = class.and_then(|c| validated.map(|r| (c, r)));
-        match checked {
+        let state = self.clone();
+        let validated = match params {
+            Ok(p) => tokio::task::spawn_blocking(move || validate(p, &state.text, &state.model_name, &state.limits))
+                .await
+                .unwrap_or_else(|e| Err(RouterError::Unprocessable(format!("validation failed: {e}")))),
+            Err(e) => Err(e),
+        };
+        match class.and_then(|c| validated.map(|r| (c, r))) {
             Ok((class, req)) => {
                 let record = arrival.into_record(self.router_metrics.clone(), request_id, class, Some(&req));
                 Ok((req, record))
             }
             Err(e) => {
-                let record =
+                let mut record =
                     arrival.into_record(self.router_metrics.clone(), request_id, RequestClass::default_class(), None);
                 record.fail(&e);
                 Err(e)
@@ -138,15 +147,13 @@ async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap
 async fn handle(state: Arc<AppState>, kind: Kind, headers: HeaderMap, body: Body) -> Response {
     let arrival = Arrival::new(&pd_telemetry::otel::extract_headers(&headers));
     let class = AppState::class(headers.get(RequestClass::HEADER).map(|v| v.as_bytes()));
-    let validated = read_body(&state, &headers, body)
-        .await
-        .and_then(|b| validate(kind, &b, &state.text, &state.model_name, &state.limits));
+    let params = read_body(&state, &headers, body).await.and_then(|b| request::decode(kind, &b));
     let id = state.request_id();
-    let (req, record) = match state.admit(arrival, class, validated, id.clone()) {
+    let (req, record) = match state.accept(arrival, class, params, id.clone()).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let updates = match lifecycle::start(state.pools.clone(), &req, record).await {
+    let updates = match lifecycle::start(state.pools.clone(), state.text.clone(), &req, record).await {
         Ok(u) => u,
         Err(e) => return e.into_response(),
     };
@@ -157,46 +164,21 @@ async fn handle(state: Arc<AppState>, kind: Kind, headers: HeaderMap, body: Body
     }
 }
 
-fn object_name(kind: Kind, stream: bool) -> &'static str {
-    match (kind, stream) {
-        (Kind::Completion, _) => "text_completion",
-        (Kind::Chat, false) => "chat.completion",
-        (Kind::Chat, true) => "chat.completion.chunk",
-    }
-}
-
-fn usage(prompt: u32, completion: u32) -> serde_json::Value {
-    json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion })
-}
-
-async fn collect_response(
-    req: ValidRequest,
-    id: String,
-    mut updates: tokio_stream::wrappers::ReceiverStream<Result<Update, RouterError>>,
-) -> Response {
+/// A whole response: every token's text, then the usage.
+async fn collect_response(req: ValidRequest, id: String, mut updates: Updates) -> Response {
     let mut text = String::new();
     while let Some(update) = updates.next().await {
         match update {
             Ok(Update::Token { text: t, .. }) => text.push_str(&t),
             Ok(Update::Done { finish_reason, prompt_tokens, completion_tokens }) => {
-                let choice = match req.kind {
-                    Kind::Completion => {
-                        json!({ "index": 0, "text": text, "finish_reason": finish_reason, "logprobs": null })
-                    }
-                    Kind::Chat => json!({
-                        "index": 0,
-                        "message": { "role": "assistant", "content": text },
-                        "finish_reason": finish_reason,
-                    }),
-                };
-                return Json(json!({
-                    "id": id,
-                    "object": object_name(req.kind, false),
-                    "created": unix_now(),
-                    "model": req.model,
-                    "choices": [choice],
-                    "usage": usage(prompt_tokens, completion_tokens),
-                }))
+                return Json(Completion {
+                    id,
+                    object: object_name(req.kind, false),
+                    created: unix_now(),
+                    model: req.model,
+                    choices: vec![Choice::of(req.kind, text, finish_reason)],
+                    usage: Usage::new(prompt_tokens, completion_tokens),
+                })
                 .into_response();
             }
             Err(e) => return e.into_response(),
@@ -205,65 +187,51 @@ async fn collect_response(
     RouterError::Worker { stage: "decode", message: "the stream ended without finishing".into() }.into_response()
 }
 
+/// Server-sent events: a chunk per token, the finish chunk, the usage chunk if asked, then
+/// `[DONE]`; a failure ends the stream with an `error` event instead.
 fn stream_response(
     req: ValidRequest,
     id: String,
-    updates: tokio_stream::wrappers::ReceiverStream<Result<Update, RouterError>>,
+    updates: Updates,
 ) -> Sse<impl futures_util::Stream<Item = Result<Event, Infallible>>> {
     let created = unix_now();
-    let chunk = move |choice: serde_json::Value, usage_value: Option<serde_json::Value>| {
-        let mut body = json!({
-            "id": id,
-            "object": object_name(req.kind, true),
-            "created": created,
-            "model": req.model,
-            "choices": if choice.is_null() { json!([]) } else { json!([choice]) },
-        });
-        if let Some(u) = usage_value {
-            body["usage"] = u;
-        }
-        Event::default().data(body.to_string())
+    let (kind, include_usage) = (req.kind, req.include_usage);
+    let chunk = move |choices: Vec<ChunkChoice>, usage: Option<Usage>| {
+        let chunk = Chunk {
+            id: id.clone(),
+            object: object_name(kind, true),
+            created,
+            model: req.model.clone(),
+            choices,
+            usage,
+        };
+        Event::default().data(serde_json::to_string(&chunk).unwrap_or_default())
     };
-    let kind = req.kind;
-    let include_usage = req.include_usage;
     let mut first = true;
     let events = updates.flat_map(move |update| {
         let out: Vec<Event> = match update {
             Ok(Update::Token { text, .. }) => {
-                let choice = match kind {
-                    Kind::Completion => json!({ "index": 0, "text": text, "finish_reason": null }),
-                    Kind::Chat if first => {
-                        json!({ "index": 0, "delta": { "role": "assistant", "content": text }, "finish_reason": null })
-                    }
-                    Kind::Chat => json!({ "index": 0, "delta": { "content": text }, "finish_reason": null }),
-                };
+                let event = chunk(vec![ChunkChoice::token(kind, text, first)], None);
                 first = false;
-                vec![chunk(choice, None)]
+                vec![event]
             }
             Ok(Update::Done { finish_reason, prompt_tokens, completion_tokens }) => {
-                let choice = match kind {
-                    Kind::Completion => json!({ "index": 0, "text": "", "finish_reason": finish_reason }),
-                    Kind::Chat => json!({ "index": 0, "delta": {}, "finish_reason": finish_reason }),
-                };
-                let mut out = vec![chunk(choice, None)];
+                let mut out = vec![chunk(vec![ChunkChoice::finish(kind, finish_reason)], None)];
                 if include_usage {
-                    out.push(chunk(serde_json::Value::Null, Some(usage(prompt_tokens, completion_tokens))));
+                    out.push(chunk(Vec::new(), Some(Usage::new(prompt_tokens, completion_tokens))));
                 }
                 out.push(Event::default().data("[DONE]"));
                 out
             }
-            Err(e) => vec![Event::default().event("error").data(e.body().to_string())],
+            Err(e) => vec![Event::default().event("error").data(serde_json::to_string(&e.body()).unwrap_or_default())],
         };
         futures_util::stream::iter(out.into_iter().map(Ok))
     });
     Sse::new(events)
 }
 
-async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{ "id": state.model_name, "object": "model", "created": 0, "owned_by": "pd" }],
-    }))
+async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
+    Json(ModelList::one(&state.model_name))
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {

@@ -1,12 +1,24 @@
-//! pd-router: the front door. OpenAI-compatible HTTP (`http`) and the gRPC Generation API
-//! with reflection (`grpc`); requests are validated (`validate`), routed to a decode and a
-//! prefill worker by load (`workers`) and carried through the lifecycle (`lifecycle`).
+//! pd-router: the front door. A request goes through named stages:
+//!
+//! - front ends: OpenAI-compatible HTTP (`http`, JSON as the typed structs of `api`) and the
+//!   gRPC Generation API with reflection (`grpc`) both decode into `validate::GenerateParams`;
+//! - `validate`: one set of checks and defaults, chat template, tokenization;
+//! - `route`: the decode worker and where the prompt is prefilled (`workers` holds the pools);
+//! - `lifecycle`: the decode worker's reservation and stream, the prefill (`prefill`, with
+//!   retries), and `relay`, which merges the prefill worker's first token with the decode
+//!   worker's stream;
+//! - `record`: the request's root span, client-side metrics and log record; `error`: the one
+//!   error enum and its HTTP status / gRPC code mapping.
 
+pub mod api;
 pub mod error;
 pub mod grpc;
 pub mod http;
 pub mod lifecycle;
+pub mod prefill;
 pub mod record;
+pub mod relay;
+pub mod route;
 pub mod validate;
 pub mod workers;
 
@@ -18,7 +30,6 @@ use std::sync::Arc;
 use pd_proto::v1::generation_server::GenerationServer;
 use pd_telemetry::metrics::RouterMetrics;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 
 pub use error::RouterError;
 pub use validate::Limits;
@@ -43,16 +54,6 @@ pub struct Config {
     pub drain_delay: std::time::Duration,
 }
 
-/// Accepted gRPC connections with TCP_NODELAY (token messages are small).
-fn nodelay(listener: TcpListener) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
-    use tokio_stream::StreamExt;
-    TcpListenerStream::new(listener).map(|conn| {
-        conn.inspect(|stream| {
-            let _ = stream.set_nodelay(true);
-        })
-    })
-}
-
 /// Serves HTTP on `http` and gRPC on `grpc` until `shutdown` resolves.
 pub async fn run(
     config: Config,
@@ -62,7 +63,7 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let text = {
         let model = config.model.clone();
-        tokio::task::spawn_blocking(move || pd_engine::load_text_side(&model)).await??
+        Arc::new(tokio::task::spawn_blocking(move || pd_engine::load_text_side(&model)).await??)
     };
     let metrics = Arc::new(pd_telemetry::Metrics::new());
     let state = Arc::new(http::AppState {
@@ -99,7 +100,7 @@ pub async fn run(
     let grpc_server = tonic::transport::Server::builder()
         .add_service(GenerationServer::new(grpc::GenerationService { state: state.clone() }))
         .add_service(reflection)
-        .serve_with_incoming_shutdown(nodelay(grpc), async move {
+        .serve_with_incoming_shutdown(pd_proto::nodelay_incoming(grpc), async move {
             let _ = grpc_stop.wait_for(|s| *s).await;
         });
     let mut http_stop = stop_rx;

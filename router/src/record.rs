@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use pd_telemetry::metrics::RouterMetrics;
 use pd_telemetry::opentelemetry::KeyValue;
-use pd_telemetry::{input_bucket, RequestClass, StageSpan};
+use pd_telemetry::{input_bucket, RequestClass, StageLabels, StageSpan};
 
 use crate::error::RouterError;
 use crate::validate::{Kind, ValidRequest};
@@ -50,10 +50,10 @@ impl Arrival {
             };
             root.set("gen_ai.operation.name", operation);
             root.set("gen_ai.request.model", r.model.clone());
-            root.set("gen_ai.request.max_tokens", r.sampling.max_tokens as i64);
-            root.set("gen_ai.request.temperature", r.sampling.temperature as f64);
-            if r.sampling.top_p > 0.0 {
-                root.set("gen_ai.request.top_p", r.sampling.top_p as f64);
+            root.set("gen_ai.request.max_tokens", r.params.max_tokens as i64);
+            root.set("gen_ai.request.temperature", r.params.temperature);
+            if let Some(top_p) = r.params.top_p {
+                root.set("gen_ai.request.top_p", top_p);
             }
         }
         let input_tokens = req.map(|r| r.prompt_tokens.len()).unwrap_or(0);
@@ -84,7 +84,7 @@ pub struct RequestRecord {
     pub request_id: String,
     class: RequestClass,
     input_tokens: usize,
-    bucket: &'static str,
+    labels: StageLabels,
     arrived: Instant,
     root: StageSpan,
     pub prefill_worker: String,
@@ -120,9 +120,9 @@ impl RequestRecord {
         RequestRecord {
             metrics,
             request_id,
+            labels: StageLabels::new(&class, input_tokens),
             class,
             input_tokens,
-            bucket: input_bucket(input_tokens),
             arrived,
             root,
             prefill_worker: String::new(),
@@ -150,22 +150,18 @@ impl RequestRecord {
         &self.class
     }
 
-    fn labels(&self) -> [&str; 2] {
-        [self.class.as_str(), self.bucket]
-    }
-
     /// A token was handed to the client's stream now.
     pub fn token(&mut self) {
         let now = Instant::now();
         match self.last_token {
             None => {
                 self.first_token = Some(now);
-                self.metrics.ttft.with_label_values(&self.labels()).observe((now - self.arrived).as_secs_f64());
+                self.labels.observe(&self.metrics.ttft, (now - self.arrived).as_secs_f64());
                 self.root.event("first_token", vec![]);
             }
             Some(last) => {
                 let gap = now - last;
-                self.metrics.itl.with_label_values(&self.labels()).observe(gap.as_secs_f64());
+                self.labels.observe(&self.metrics.itl, gap.as_secs_f64());
                 self.gaps_ms.push(ms(gap));
             }
         }
@@ -182,13 +178,13 @@ impl RequestRecord {
     }
 
     /// The request finished normally with `finish_reason`.
-    pub fn finish(mut self, finish_reason: &str) {
+    pub fn finish(&mut self, finish_reason: &str) {
         self.root.set("gen_ai.response.finish_reasons", finish_reason.to_string());
         self.end("ok", Some(finish_reason), None);
     }
 
     /// The request failed with `error` (before or after its first token).
-    pub fn fail(mut self, error: &RouterError) {
+    pub fn fail(&mut self, error: &RouterError) {
         if self.first_token.is_none() {
             self.metrics.rejected.with_label_values(&[error.reason()]).inc();
         }
@@ -204,7 +200,7 @@ impl RequestRecord {
         let now = Instant::now();
         let e2e_ms = ms(now - self.arrived);
         if outcome == "ok" {
-            self.metrics.e2e.with_label_values(&self.labels()).observe(e2e_ms / 1e3);
+            self.labels.observe(&self.metrics.e2e, e2e_ms / 1e3);
         }
         self.metrics.requests.with_label_values(&[self.class.as_str(), outcome]).inc();
         let mut gaps = self.gaps_ms.clone();

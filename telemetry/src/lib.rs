@@ -26,7 +26,7 @@ pub fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
 }
 
 pub use logs::LogFormat;
-pub use metrics::{input_bucket, Metrics, RequestClass};
+pub use metrics::{input_bucket, Metrics, RequestClass, StageLabels};
 pub use otel::{StageSpan, Telemetry};
 
 /// Re-exported so the binaries name OpenTelemetry types through one version.

@@ -28,9 +28,8 @@ pub mod names {
     pub const RUNNING_DECODE_SEQUENCES: &str = "pd_running_decode_sequences";
     pub const KV_CACHE_USAGE: &str = "pd_kv_cache_usage_ratio";
     pub const QUEUE_OLDEST_AGE: &str = "pd_queue_oldest_age_seconds";
-    pub const PREEMPTIONS: &str = "pd_preemptions_total";
     pub const REJECTED: &str = "pd_requests_rejected_total";
-    pub const MIGRATIONS: &str = "pd_migrations_total";
+    pub const PREFILL_RETRIES: &str = "pd_prefill_retries_total";
     pub const REQUESTS: &str = "pd_requests_total";
 }
 
@@ -40,6 +39,24 @@ const INPUT_BUCKETS: &[(usize, &str)] = &[(128, "1-128"), (512, "129-512"), (204
 /// The `input_bucket` label of a prompt of `tokens` tokens.
 pub fn input_bucket(tokens: usize) -> &'static str {
     INPUT_BUCKETS.iter().find(|(max, _)| tokens <= *max).map(|(_, l)| *l).unwrap_or("8193+")
+}
+
+/// The labels of a request's stage histograms: its traffic class and its prompt's input bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StageLabels {
+    pub class: String,
+    pub input_bucket: &'static str,
+}
+
+impl StageLabels {
+    pub fn new(class: &RequestClass, prompt_tokens: usize) -> Self {
+        StageLabels { class: class.as_str().to_string(), input_bucket: input_bucket(prompt_tokens) }
+    }
+
+    /// Records `seconds` in `histogram` under these labels.
+    pub fn observe(&self, histogram: &HistogramVec, seconds: f64) {
+        histogram.with_label_values(&[self.class.as_str(), self.input_bucket]).observe(seconds);
+    }
 }
 
 /// A request's traffic class (`x-pd-class` header or metadata): 1 to 32 characters of
@@ -163,7 +180,9 @@ pub struct RouterMetrics {
     pub e2e: HistogramVec,
     pub requests: IntCounterVec,
     pub rejected: IntCounterVec,
-    pub migrations: IntCounter,
+    /// Prefills re-sent to another prefill worker after a failure (decode migration, when it
+    /// exists, gets `pd_migrations_total`).
+    pub prefill_retries: IntCounter,
 }
 
 impl RouterMetrics {
@@ -174,7 +193,8 @@ impl RouterMetrics {
             e2e: m.histogram(names::E2E, "Request arrival to its last token.", STAGE_LABELS),
             requests: m.counter_vec(names::REQUESTS, "Finished requests by outcome.", &["class", "outcome"]),
             rejected: m.counter_vec(names::REJECTED, "Requests refused before generating, by reason.", &["reason"]),
-            migrations: m.counter(names::MIGRATIONS, "Requests whose prefill moved to another worker after a failure."),
+            prefill_retries: m
+                .counter(names::PREFILL_RETRIES, "Prefills re-sent to another prefill worker after a failure."),
         }
     }
 }
@@ -216,7 +236,6 @@ pub struct DecodeMetrics {
     pub decode_time: HistogramVec,
     pub running: Gauge,
     pub kv_usage: Gauge,
-    pub preemptions: IntCounter,
     pub rejected: IntCounterVec,
 }
 
@@ -236,9 +255,6 @@ impl DecodeMetrics {
             ),
             running: m.gauge(names::RUNNING_DECODE_SEQUENCES, "Sequences in the running decode batch."),
             kv_usage: m.gauge(names::KV_CACHE_USAGE, "Used KV blocks / all KV blocks (reservations included)."),
-            // Whole outputs are reserved at admission, so nothing is ever preempted; the
-            // counter is exported so dashboards and alerts can rely on it.
-            preemptions: m.counter(names::PREEMPTIONS, "Sequences preempted to free KV blocks."),
             rejected: m.counter_vec(names::REJECTED, "Decode requests refused, by reason.", &["reason"]),
         }
     }
@@ -272,7 +288,8 @@ mod tests {
     fn render_has_histograms_with_labels_and_scrape_hooks_run() {
         let m = Metrics::new();
         let r = RouterMetrics::register(&m);
-        r.ttft.with_label_values(&["interactive", "1-128"]).observe(0.2);
+        let class = RequestClass::parse("interactive").expect("class");
+        StageLabels::new(&class, 100).observe(&r.ttft, 0.2);
         let g = m.gauge("pd_test_gauge", "test");
         let g2 = g.clone();
         m.on_scrape(move || g2.set(7.0));

@@ -242,7 +242,6 @@ async fn one_request_is_one_trace_with_metrics_and_a_record() {
     assert_eq!(sample(&decode, &format!("pd_request_decode_time_seconds_count{{{labels}}}")), 1.0);
     assert_eq!(sample(&decode, "pd_running_decode_sequences"), 0.0);
     assert_eq!(sample(&decode, "pd_kv_cache_usage_ratio"), 0.0);
-    assert_eq!(sample(&decode, "pd_preemptions_total"), 0.0);
 
     // --- the request record -------------------------------------------------------------
     let log = cluster.log("pd-router");

@@ -56,7 +56,7 @@ async fn main() -> anyhow::Result<()> {
             );
         }
     });
-    let incoming = pd_kv_transfer::grpc::nodelay_incoming(listener);
+    let incoming = pd_proto::nodelay_incoming(listener);
     tonic::transport::Server::builder()
         .add_service(TraceServiceServer::new(counts.clone()))
         .serve_with_incoming_shutdown(incoming, async {

@@ -100,17 +100,7 @@ fn hf_name(gguf: &str) -> String {
 
 /// A tokenizer over 64 single-character tokens ("a".."z", "A".."Z", digits, space, ...).
 pub fn tiny_tokenizer() -> tokenizers::Tokenizer {
-    let chars: Vec<String> = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567 ."
-        .chars()
-        .map(String::from)
-        .chain(["<s>".to_string(), "</s>".to_string()])
-        .collect();
-    let vocab: tokenizers::models::bpe::Vocab = chars.iter().enumerate().map(|(i, c)| (c.clone(), i as u32)).collect();
-    let bpe = tokenizers::models::bpe::BPE::builder().vocab_and_merges(vocab, Vec::new()).build().expect("bpe");
-    let mut t = tokenizers::Tokenizer::new(bpe);
-    t.add_special_tokens(vec![tokenizers::AddedToken::from("<s>", true), tokenizers::AddedToken::from("</s>", true)])
-        .expect("special tokens");
-    t
+    pd_engine::Tokenizer::characters().expect("character tokenizer").inner().clone()
 }
 
 /// Writes the tiny model as a Hugging Face folder.

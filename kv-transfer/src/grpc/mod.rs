@@ -7,7 +7,7 @@ mod client;
 mod server;
 
 pub use client::{GrpcKvSender, GrpcTransfer};
-pub use server::{nodelay_incoming, spawn_lease_reaper, GrpcKvReceiver, KvTransferService};
+pub use server::{kv_server_builder, spawn_lease_reaper, GrpcKvReceiver, KvTransferService};
 
 /// HTTP/2 per-stream flow-control window.
 pub(crate) const STREAM_WINDOW: u32 = 16 << 20;

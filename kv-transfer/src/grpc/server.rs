@@ -11,8 +11,7 @@ use pd_proto::v1 as pb;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
-use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::{CONNECTION_WINDOW, FRAMES_IN_FLIGHT, MAX_MESSAGE, STREAM_WINDOW};
@@ -153,16 +152,13 @@ pub fn spawn_lease_reaper(registry: Arc<KvRegistry>, period: Duration) -> JoinHa
     })
 }
 
-/// Connections accepted on `listener` with TCP_NODELAY set: small control messages (accept,
-/// commit, a single token) must not wait for Nagle's algorithm. For every pd gRPC server.
-pub fn nodelay_incoming(
-    listener: TcpListener,
-) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static {
-    TcpListenerStream::new(listener).map(|conn| {
-        conn.inspect(|stream| {
-            let _ = stream.set_nodelay(true);
-        })
-    })
+/// The tonic server every KV receiver runs (the decode worker adds its DecodeWorker service
+/// to it): HTTP/2 windows and frame size for bulk data.
+pub fn kv_server_builder() -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(1 << 20)
 }
 
 /// A running gRPC KV receiver (server plus lease reaper); stops when shut down or dropped.
@@ -181,12 +177,9 @@ impl GrpcKvReceiver {
         let (stop, stopped) = oneshot::channel::<()>();
         let reaper = spawn_lease_reaper(registry.clone(), Duration::from_millis(50));
         let service = KvTransferService::new(registry).into_server();
-        let incoming = nodelay_incoming(listener);
+        let incoming = pd_proto::nodelay_incoming(listener);
         let server = tokio::spawn(async move {
-            let result = tonic::transport::Server::builder()
-                .initial_stream_window_size(STREAM_WINDOW)
-                .initial_connection_window_size(CONNECTION_WINDOW)
-                .max_frame_size(1 << 20)
+            let result = kv_server_builder()
                 .add_service(service)
                 .serve_with_incoming_shutdown(incoming, async {
                     let _ = stopped.await;

@@ -8,9 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pd_engine::{CacheConfig, ChatMessage, Engine, LoadOptions, SamplingParams, SequenceKv, WireDType};
-use pd_kv_transfer::engine_io::{geometry_of, prefill_and_send, Unscheduled};
+use pd_kv_transfer::engine_io::geometry_of;
 use pd_kv_transfer::grpc::{GrpcKvReceiver, GrpcKvSender};
 use pd_kv_transfer::{KvReceiver, KvRegistry, Reservation, TransferHeader};
+use pd_prefill::pipeline::{prefill_and_send, PrefillJob, Unscheduled};
 
 fn model_path() -> PathBuf {
     let path = std::env::var_os("PD_MODEL")
@@ -61,9 +62,14 @@ async fn prefill_transfer_decode_gives_the_uninterrupted_greedy_tokens() {
                 })
                 .expect("reservation");
             // Chunks of 16 tokens: the last chunk ships layers while later layers compute.
-            let sent = prefill_and_send(prefill.clone(), prompt.clone(), 16, header, &sender, &greedy, &Unscheduled)
-                .await
-                .expect("sent");
+            let job = PrefillJob {
+                engine: prefill.clone(),
+                prompt: prompt.clone(),
+                chunk: 16,
+                header,
+                sampling: greedy.clone(),
+            };
+            let sent = prefill_and_send(job, &sender, &Unscheduled).await.expect("sent");
             drop(sent.source);
             let committed = outcome.await.expect("outcome").expect("committed");
             assert_eq!(committed.first_token, expected[0]);

@@ -1,0 +1,342 @@
+//! The decode batch as plain synchronous state: which sequences run, what each feeds into the
+//! next forward step, and what a step's logits do to them. No model and no runtime here: the
+//! batch loop (`batcher`) owns a `BatchState` and calls, per step,
+//!
+//! `admit` (new sequences) -> `drop_cancelled` -> `plan` (prompt tokens per sequence under
+//! the prefill policy) -> `inputs` / `batch` (the forward's rows) -> `apply_logits` (sample,
+//! stream, finish) — or `fail_all` when the step failed.
+//!
+//! Invariants: a sequence leaves the state exactly once, with a `Finished` event, an error, or
+//! because its client went away; its KV blocks are freed when it leaves (dropped with it).
+//! Blocks for the whole output were reserved at admission, so a step never runs out of KV.
+
+use std::time::Instant;
+
+use pd_engine::{BatchSeq, EngineError, OutputTracker, Sampler, SamplingParams, SequenceKv, Tokenizer};
+use pd_proto::v1 as pb;
+use pd_telemetry::metrics::DecodeMetrics;
+use pd_telemetry::opentelemetry::KeyValue;
+use pd_telemetry::{StageLabels, StageSpan};
+use tokio::sync::mpsc;
+
+/// What the batch reports about one sequence, on its stream.
+pub type Event = Result<pb::DecodeEvent, tonic::Status>;
+
+/// Wraps one event of a decode stream.
+pub fn event(e: pb::decode_event::Event) -> Event {
+    Ok(pb::DecodeEvent { event: Some(e) })
+}
+
+fn now_nanos() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// How prompts prefilled on this worker share steps with the running streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillPolicy {
+    /// Prompt chunks fill what the decode rows leave of `step_tokens` per step, first come
+    /// first served: a long prompt spreads over many steps (Sarathi-style chunked prefill).
+    Chunked { step_tokens: usize },
+    /// The oldest waiting prompt runs whole in the next step, one per step (the baseline whose
+    /// stalls disaggregation removes).
+    Naive,
+}
+
+impl std::str::FromStr for PrefillPolicy {
+    type Err = String;
+
+    /// `chunked` (256 tokens per step), `chunked:N` or `naive`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "naive" => Ok(PrefillPolicy::Naive),
+            "chunked" => Ok(PrefillPolicy::Chunked { step_tokens: 256 }),
+            other => other
+                .strip_prefix("chunked:")
+                .and_then(|n| n.parse().ok())
+                .filter(|n| *n > 0)
+                .map(|step_tokens| PrefillPolicy::Chunked { step_tokens })
+                .ok_or_else(|| format!("prefill policy `{other}` is not naive, chunked or chunked:N (N > 0)")),
+        }
+    }
+}
+
+/// Where a sequence's prompt stands when it joins.
+#[derive(Debug)]
+pub enum Start {
+    /// The KV holds the prompt (a prefill worker sent it) and this is the first token.
+    Prefilled { first_token: u32 },
+    /// The prompt runs here, in the batch.
+    Prompt(Vec<u32>),
+}
+
+/// What the decode worker measured before the sequence joined.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Received {
+    pub kv_transfer_ms: f64,
+    pub kv_bytes: u64,
+}
+
+/// A sequence ready to join the batch.
+#[derive(Debug)]
+pub struct Admission {
+    pub kv: SequenceKv,
+    pub start: Start,
+    pub params: SamplingParams,
+    pub prompt_tokens: usize,
+    pub received: Received,
+    pub events: mpsc::UnboundedSender<Event>,
+    /// `decode.generate`, ended when the sequence leaves the batch.
+    pub span: StageSpan,
+    pub labels: StageLabels,
+}
+
+#[derive(Debug)]
+enum Phase {
+    /// Prompt tokens `done..` still to run.
+    Prompt { tokens: Vec<u32>, done: usize },
+    /// The next token to feed.
+    Decode { next: u32 },
+}
+
+/// Timings of one sequence on this worker.
+#[derive(Debug)]
+struct Clock {
+    admitted: Instant,
+    prefill_started: Option<Instant>,
+    queue_ms: f64,
+    prefill_ms: f64,
+    /// The first token's time (decode time runs from here).
+    started: Instant,
+}
+
+#[derive(Debug)]
+struct Running {
+    kv: SequenceKv,
+    phase: Phase,
+    sampler: Sampler,
+    tracker: OutputTracker,
+    prompt_tokens: usize,
+    received: Received,
+    clock: Clock,
+    events: mpsc::UnboundedSender<Event>,
+    span: StageSpan,
+    labels: StageLabels,
+}
+
+impl Running {
+    /// Ends the sequence with `status` (reported to its stream and recorded on its span).
+    fn fail(&self, status: tonic::Status) {
+        self.span.error(status.message());
+        let _ = self.events.send(Err(status));
+    }
+
+    fn finished_event(&self, finish: pd_engine::FinishReason, decode_ms: f64) -> Event {
+        event(pb::decode_event::Event::Finished(pb::Finished {
+            finish_reason: finish.as_str().to_string(),
+            prompt_tokens: self.prompt_tokens as u32,
+            completion_tokens: self.tracker.generated().len() as u32,
+            kv_transfer_ms: self.received.kv_transfer_ms,
+            decode_ms,
+            kv_bytes: self.received.kv_bytes,
+            queue_ms: self.clock.queue_ms,
+            prefill_ms: self.clock.prefill_ms,
+        }))
+    }
+
+    /// Records `token`; false when the sequence is done (finished, failed or abandoned).
+    fn emit(&mut self, token: u32, tokenizer: &Tokenizer, metrics: &DecodeMetrics) -> bool {
+        let out = match self.tracker.push(token, tokenizer) {
+            Ok(out) => out,
+            Err(e) => {
+                self.fail(tonic::Status::internal(e.to_string()));
+                return false;
+            }
+        };
+        let token_event = pb::TokenEvent { token_id: token, text: out.text_delta, server_time_unix_nanos: now_nanos() };
+        if self.events.send(event(pb::decode_event::Event::Token(token_event))).is_err() {
+            self.span.set("pd.outcome", "cancelled");
+            return false; // client gone: free the blocks now
+        }
+        let Some(finish) = out.finish else {
+            self.phase = Phase::Decode { next: token };
+            return true;
+        };
+        let decode_time = self.clock.started.elapsed();
+        self.labels.observe(&metrics.decode_time, decode_time.as_secs_f64());
+        self.span.set("gen_ai.usage.output_tokens", self.tracker.generated().len() as i64);
+        self.span.set("gen_ai.response.finish_reasons", finish.as_str().to_string());
+        let _ = self.events.send(self.finished_event(finish, decode_time.as_secs_f64() * 1e3));
+        false
+    }
+
+    /// Counts `take` prompt tokens as computed at a step that began at `step_started`; true
+    /// when the prompt is complete (its last row's logits give the first token).
+    fn advance_prompt(&mut self, take: usize, step_started: Instant) -> bool {
+        let Phase::Prompt { tokens, done } = &mut self.phase else { return true };
+        if self.clock.prefill_started.is_none() {
+            self.clock.prefill_started = Some(step_started);
+            self.clock.queue_ms = (step_started - self.clock.admitted).as_secs_f64() * 1e3;
+        }
+        *done += take;
+        self.span.event("prefill.chunk", vec![KeyValue::new("pd.chunk.tokens", take as i64)]);
+        if *done < tokens.len() {
+            return false;
+        }
+        self.clock.prefill_ms = self.clock.prefill_started.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
+        self.clock.started = Instant::now();
+        true
+    }
+}
+
+/// The running batch; see the module docs.
+#[derive(Debug)]
+pub struct BatchState {
+    running: Vec<Running>,
+    policy: PrefillPolicy,
+    max_batch: usize,
+}
+
+impl BatchState {
+    pub fn new(policy: PrefillPolicy, max_batch: usize) -> Self {
+        BatchState { running: Vec::new(), policy, max_batch: max_batch.max(1) }
+    }
+
+    /// Sequences in the batch (prompts being prefilled here included).
+    pub fn len(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.running.is_empty()
+    }
+
+    /// How many more sequences may join.
+    pub fn room(&self) -> usize {
+        self.max_batch.saturating_sub(self.running.len())
+    }
+
+    /// Joins `a` to the batch. A prefilled sequence streams its first token at once (it may
+    /// also finish with it); a bad sampling setup fails the sequence with INVALID_ARGUMENT.
+    pub fn admit(&mut self, a: Admission, tokenizer: &Tokenizer, metrics: &DecodeMetrics) {
+        let sampler = match Sampler::new(&a.params) {
+            Ok(s) => s,
+            Err(e) => {
+                a.span.error(e.to_string());
+                let _ = a.events.send(Err(tonic::Status::invalid_argument(e.to_string())));
+                return;
+            }
+        };
+        let (phase, first) = match a.start {
+            Start::Prefilled { first_token } => (Phase::Decode { next: first_token }, Some(first_token)),
+            Start::Prompt(tokens) => (Phase::Prompt { tokens, done: 0 }, None),
+        };
+        let now = Instant::now();
+        let mut seq = Running {
+            tracker: OutputTracker::new(a.params, tokenizer),
+            kv: a.kv,
+            phase,
+            sampler,
+            prompt_tokens: a.prompt_tokens,
+            received: a.received,
+            clock: Clock { admitted: now, prefill_started: None, queue_ms: 0.0, prefill_ms: 0.0, started: now },
+            events: a.events,
+            span: a.span,
+            labels: a.labels,
+        };
+        if first.is_none_or(|token| seq.emit(token, tokenizer, metrics)) {
+            self.running.push(seq);
+        }
+    }
+
+    /// Removes the sequences whose client went away (their blocks are freed).
+    pub fn drop_cancelled(&mut self) {
+        self.running.retain(|s| !s.events.is_closed());
+    }
+
+    /// Ends every sequence with `status` (a failed step, or shutdown after the grace period).
+    pub fn fail_all(&mut self, status: tonic::Status) {
+        for seq in self.running.drain(..) {
+            seq.fail(status.clone());
+        }
+    }
+
+    /// Tokens each sequence runs in the next step: 1 for a decoding one, the prompt chunk the
+    /// policy admits (maybe 0) for one being prefilled here.
+    pub fn plan(&self) -> Vec<usize> {
+        let decoding = self.running.iter().filter(|s| matches!(s.phase, Phase::Decode { .. })).count();
+        let mut budget = match self.policy {
+            // At least a quarter chunk of progress per step, even under a full decode batch.
+            PrefillPolicy::Chunked { step_tokens } => step_tokens.saturating_sub(decoding).max(step_tokens / 4).max(1),
+            PrefillPolicy::Naive => usize::MAX,
+        };
+        let mut prompts_this_step = 0;
+        let mut take_prompt = |left: usize| {
+            if budget == 0 || (self.policy == PrefillPolicy::Naive && prompts_this_step > 0) {
+                return 0;
+            }
+            let take = left.min(budget);
+            budget -= take;
+            prompts_this_step += 1;
+            take
+        };
+        let takes = self.running.iter().map(|s| match &s.phase {
+            Phase::Decode { .. } => 1,
+            Phase::Prompt { tokens, done } => take_prompt(tokens.len() - done),
+        });
+        takes.collect()
+    }
+
+    /// The token rows of each sequence for `takes` (empty for a sequence that waits).
+    pub fn inputs(&self, takes: &[usize]) -> Vec<Vec<u32>> {
+        let rows = self.running.iter().zip(takes).map(|(s, &take)| match &s.phase {
+            Phase::Decode { next } => vec![*next],
+            Phase::Prompt { tokens, done } => tokens[*done..*done + take].to_vec(),
+        });
+        rows.collect()
+    }
+
+    /// The forward's batch for `inputs`: every sequence with rows, asking for logits where a
+    /// token will be sampled (decode rows, and a prompt's last chunk).
+    pub fn batch<'a>(&'a mut self, inputs: &'a [Vec<u32>]) -> Vec<BatchSeq<'a>> {
+        let rows = self.running.iter_mut().zip(inputs).filter(|(_, t)| !t.is_empty());
+        rows.map(|(s, tokens)| {
+            let want_logits = match &s.phase {
+                Phase::Decode { .. } => true,
+                Phase::Prompt { tokens: prompt, done } => done + tokens.len() == prompt.len(),
+            };
+            BatchSeq { tokens, kv: &mut s.kv, want_logits }
+        })
+        .collect()
+    }
+
+    /// Applies a step's logits (one row per sequence that asked, in batch order): advances
+    /// prompts, samples and streams tokens, and removes the sequences that are done.
+    pub fn apply_logits(
+        &mut self,
+        takes: &[usize],
+        logits: &candle_core::Tensor,
+        step_started: Instant,
+        tokenizer: &Tokenizer,
+        metrics: &DecodeMetrics,
+    ) {
+        let mut row = 0;
+        let mut keep = Vec::with_capacity(self.running.len());
+        for (mut seq, &take) in self.running.drain(..).zip(takes) {
+            if take == 0 || !seq.advance_prompt(take, step_started) {
+                keep.push(seq);
+                continue;
+            }
+            let token = logits.get(row).map_err(EngineError::from).and_then(|r| seq.sampler.sample(&r));
+            row += 1;
+            match token {
+                Ok(t) if seq.emit(t, tokenizer, metrics) => keep.push(seq),
+                Ok(_) => {}
+                Err(e) => seq.fail(tonic::Status::internal(format!("sampling failed: {e}"))),
+            }
+        }
+        self.running = keep;
+    }
+}
+
+#[cfg(test)]
+mod tests;

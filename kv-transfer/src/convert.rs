@@ -1,0 +1,203 @@
+//! The one place where `pd.v1` messages and engine types meet: sampling parameters (router ->
+//! workers), the KV wire dtype, and the KV target a decode worker hands out (decode worker ->
+//! router -> prefill worker). Every worker and the router convert through here, so the rules
+//! (what is required, what 0 means) cannot drift apart.
+
+use std::collections::HashMap;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use pd_engine::{SamplingParams, WireDType};
+use pd_proto::v1 as pb;
+
+use crate::error::TransferError;
+use crate::wire::{KvGeometry, TransferHeader};
+
+/// A field of a pd.v1 message that does not convert, named.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct InvalidField {
+    pub field: &'static str,
+    pub message: String,
+}
+
+impl InvalidField {
+    fn new(field: &'static str, message: impl Into<String>) -> Self {
+        InvalidField { field, message: message.into() }
+    }
+}
+
+/// The engine's sampling parameters of a request. `sampling` is required; on the wire 0 means
+/// "off" for `top_k` and `top_p` and greedy for `temperature`; `max_tokens` must be >= 1.
+pub fn sampling_from_pb(sampling: Option<&pb::SamplingParams>) -> Result<SamplingParams, InvalidField> {
+    let s = sampling.ok_or_else(|| InvalidField::new("sampling", "is required"))?;
+    let params = SamplingParams {
+        temperature: s.temperature as f64,
+        top_k: (s.top_k > 0).then_some(s.top_k as usize),
+        top_p: (s.top_p > 0.0).then_some(s.top_p as f64),
+        seed: s.seed,
+        max_tokens: s.max_tokens as usize,
+        stop_token_ids: s.stop_token_ids.clone(),
+        stop_strings: s.stop.clone(),
+        ignore_eos: s.ignore_eos,
+    };
+    params.validate().map_err(|e| InvalidField::new("sampling", e.to_string()))?;
+    Ok(params)
+}
+
+/// The wire form of `params` (the inverse of `sampling_from_pb`).
+pub fn sampling_to_pb(params: &SamplingParams) -> pb::SamplingParams {
+    pb::SamplingParams {
+        temperature: params.temperature as f32,
+        top_k: params.top_k.unwrap_or(0) as u32,
+        top_p: params.top_p.unwrap_or(0.0) as f32,
+        seed: params.seed,
+        max_tokens: params.max_tokens as u32,
+        stop_token_ids: params.stop_token_ids.clone(),
+        stop: params.stop_strings.clone(),
+        ignore_eos: params.ignore_eos,
+    }
+}
+
+pub fn dtype_to_pb(dtype: WireDType) -> pb::KvDtype {
+    match dtype {
+        WireDType::F16 => pb::KvDtype::F16,
+        WireDType::F32 => pb::KvDtype::F32,
+    }
+}
+
+pub fn dtype_from_pb(value: i32) -> Result<WireDType, TransferError> {
+    match pb::KvDtype::try_from(value) {
+        Ok(pb::KvDtype::F16) => Ok(WireDType::F16),
+        Ok(pb::KvDtype::F32) => Ok(WireDType::F32),
+        _ => Err(TransferError::Incompatible(format!("dtype code {value} is not f16 or f32"))),
+    }
+}
+
+/// Where a prefill worker must send a reservation's KV: what a decode worker answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    pub transfer_id: String,
+    /// host:port of the decode worker's KvTransfer service.
+    pub kv_endpoint: String,
+    pub geometry: KvGeometry,
+    /// Destination blocks in token order.
+    pub block_ids: Vec<u32>,
+    pub lease_deadline: SystemTime,
+}
+
+impl Target {
+    pub fn to_pb(&self) -> pb::KvTarget {
+        let g = &self.geometry;
+        pb::KvTarget {
+            transfer_id: self.transfer_id.clone(),
+            kv_endpoint: self.kv_endpoint.clone(),
+            block_ids: self.block_ids.clone(),
+            model_fingerprint: g.model_fingerprint,
+            block_size: g.block_size,
+            dtype: dtype_to_pb(g.dtype) as i32,
+            num_layers: g.num_layers,
+            num_kv_heads: g.num_kv_heads,
+            head_dim: g.head_dim,
+            lease_deadline_unix_ms: self.lease_deadline.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+        }
+    }
+
+    pub fn from_pb(t: &pb::KvTarget) -> Result<Self, TransferError> {
+        if t.transfer_id.is_empty() {
+            return Err(TransferError::Protocol("target.transfer_id is empty".into()));
+        }
+        if t.kv_endpoint.is_empty() {
+            return Err(TransferError::Protocol("target.kv_endpoint is empty".into()));
+        }
+        Ok(Target {
+            transfer_id: t.transfer_id.clone(),
+            kv_endpoint: t.kv_endpoint.clone(),
+            geometry: KvGeometry {
+                model_fingerprint: t.model_fingerprint,
+                dtype: dtype_from_pb(t.dtype)?,
+                num_layers: t.num_layers,
+                block_size: t.block_size,
+                num_kv_heads: t.num_kv_heads,
+                head_dim: t.head_dim,
+            },
+            block_ids: t.block_ids.clone(),
+            lease_deadline: UNIX_EPOCH + std::time::Duration::from_millis(t.lease_deadline_unix_ms),
+        })
+    }
+
+    /// The transfer header a sender opens with, for a prompt of `num_tokens` tokens.
+    pub fn header(&self, num_tokens: u32, trace_context: HashMap<String, String>) -> TransferHeader {
+        TransferHeader {
+            transfer_id: self.transfer_id.clone(),
+            geometry: self.geometry,
+            block_ids: self.block_ids.clone(),
+            num_tokens,
+            trace_context,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geometry() -> KvGeometry {
+        KvGeometry {
+            model_fingerprint: 7,
+            dtype: WireDType::F16,
+            num_layers: 2,
+            block_size: 16,
+            num_kv_heads: 3,
+            head_dim: 64,
+        }
+    }
+
+    #[test]
+    fn sampling_round_trips_and_zero_means_off() {
+        let params = SamplingParams {
+            temperature: 0.5,
+            top_k: Some(40),
+            top_p: Some(0.9),
+            seed: 11,
+            max_tokens: 8,
+            stop_token_ids: vec![3],
+            stop_strings: vec!["\n".into()],
+            ignore_eos: true,
+        };
+        let back = sampling_from_pb(Some(&sampling_to_pb(&params))).expect("valid");
+        assert_eq!(back.top_k, Some(40));
+        assert_eq!(back.stop_strings, params.stop_strings);
+        assert!((back.top_p.expect("top_p") - 0.9).abs() < 1e-6);
+        let greedy = sampling_from_pb(Some(&sampling_to_pb(&SamplingParams::greedy(4)))).expect("greedy");
+        assert_eq!(greedy, SamplingParams::greedy(4));
+    }
+
+    #[test]
+    fn bad_sampling_names_the_field() {
+        assert_eq!(sampling_from_pb(None).expect_err("missing").field, "sampling");
+        let zero = pb::SamplingParams { max_tokens: 0, ..Default::default() };
+        assert!(sampling_from_pb(Some(&zero)).expect_err("zero").message.contains("max_tokens"));
+        let negative = pb::SamplingParams { max_tokens: 1, temperature: -1.0, ..Default::default() };
+        assert!(sampling_from_pb(Some(&negative)).expect_err("negative").message.contains("temperature"));
+    }
+
+    #[test]
+    fn target_round_trips_and_bad_ones_are_refused() {
+        let target = Target {
+            transfer_id: "t".into(),
+            kv_endpoint: "127.0.0.1:1".into(),
+            geometry: geometry(),
+            block_ids: vec![4, 9],
+            lease_deadline: UNIX_EPOCH + std::time::Duration::from_millis(1_234),
+        };
+        assert_eq!(Target::from_pb(&target.to_pb()).expect("valid"), target);
+        let header = target.header(20, HashMap::new());
+        assert_eq!((header.block_ids.as_slice(), header.num_tokens), (&[4, 9][..], 20));
+        let mut bad = target.to_pb();
+        bad.dtype = 99;
+        assert!(matches!(Target::from_pb(&bad), Err(TransferError::Incompatible(_))));
+        let mut no_endpoint = target.to_pb();
+        no_endpoint.kv_endpoint.clear();
+        assert!(matches!(Target::from_pb(&no_endpoint), Err(TransferError::Protocol(m)) if m.contains("kv_endpoint")));
+    }
+}

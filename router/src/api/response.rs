@@ -1,0 +1,184 @@
+//! OpenAI response bodies: whole completions, stream chunks, usage and errors.
+
+use serde::Serialize;
+
+use crate::validate::Kind;
+
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: u32, completion_tokens: u32) -> Self {
+        Usage { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct AssistantMessage {
+    pub role: &'static str,
+    pub content: String,
+}
+
+/// One choice of a whole response.
+#[derive(Debug, Clone, Serialize)]
+#[serde(untagged)]
+pub enum Choice {
+    Text { index: u32, text: String, finish_reason: String, logprobs: Option<()> },
+    Message { index: u32, message: AssistantMessage, finish_reason: String },
+}
+
+/// A whole (non-streamed) response.
+#[derive(Debug, Clone, Serialize)]
+pub struct Completion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<Choice>,
+    pub usage: Usage,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Delta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// One choice of a stream chunk.
+#[derive(Debug, Clone, Serialize)]
+#[serde(untagged)]
+pub enum ChunkChoice {
+    Text { index: u32, text: String, finish_reason: Option<String> },
+    Delta { index: u32, delta: Delta, finish_reason: Option<String> },
+}
+
+/// One server-sent event's data.
+#[derive(Debug, Clone, Serialize)]
+pub struct Chunk {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChunkChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// OpenAI's `object` names.
+pub fn object_name(kind: Kind, stream: bool) -> &'static str {
+    match (kind, stream) {
+        (Kind::Completion, _) => "text_completion",
+        (Kind::Chat, false) => "chat.completion",
+        (Kind::Chat, true) => "chat.completion.chunk",
+    }
+}
+
+impl Choice {
+    /// The one choice of a finished generation.
+    pub fn of(kind: Kind, text: String, finish_reason: String) -> Self {
+        match kind {
+            Kind::Completion => Choice::Text { index: 0, text, finish_reason, logprobs: None },
+            Kind::Chat => Choice::Message {
+                index: 0,
+                message: AssistantMessage { role: "assistant", content: text },
+                finish_reason,
+            },
+        }
+    }
+}
+
+impl ChunkChoice {
+    /// A chunk carrying `text`; the first chat chunk also names the role.
+    pub fn token(kind: Kind, text: String, first: bool) -> Self {
+        match kind {
+            Kind::Completion => ChunkChoice::Text { index: 0, text, finish_reason: None },
+            Kind::Chat => ChunkChoice::Delta {
+                index: 0,
+                delta: Delta { role: first.then_some("assistant"), content: Some(text) },
+                finish_reason: None,
+            },
+        }
+    }
+
+    /// The chunk that ends the choice.
+    pub fn finish(kind: Kind, finish_reason: String) -> Self {
+        match kind {
+            Kind::Completion => ChunkChoice::Text { index: 0, text: String::new(), finish_reason: Some(finish_reason) },
+            Kind::Chat => ChunkChoice::Delta { index: 0, delta: Delta::default(), finish_reason: Some(finish_reason) },
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ErrorDetail {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<String>,
+}
+
+/// OpenAI's error body.
+#[derive(Debug, Clone, Serialize)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Model {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<Model>,
+}
+
+impl ModelList {
+    pub fn one(name: &str) -> Self {
+        ModelList {
+            object: "list",
+            data: vec![Model { id: name.to_string(), object: "model", created: 0, owned_by: "pd" }],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn chunks_and_choices_have_openai_shapes() {
+        let chunk = Chunk {
+            id: "r".into(),
+            object: object_name(Kind::Chat, true),
+            created: 1,
+            model: "m".into(),
+            choices: vec![ChunkChoice::token(Kind::Chat, "Hi".into(), true)],
+            usage: None,
+        };
+        let v = serde_json::to_value(&chunk).expect("json");
+        assert_eq!(
+            v["choices"][0],
+            json!({"index": 0, "delta": {"role": "assistant", "content": "Hi"}, "finish_reason": null})
+        );
+        assert!(v.get("usage").is_none());
+        let end = serde_json::to_value(ChunkChoice::finish(Kind::Chat, "stop".into())).expect("json");
+        assert_eq!(end, json!({"index": 0, "delta": {}, "finish_reason": "stop"}));
+        let text = serde_json::to_value(Choice::of(Kind::Completion, "x".into(), "length".into())).expect("json");
+        assert_eq!(text, json!({"index": 0, "text": "x", "finish_reason": "length", "logprobs": null}));
+        assert_eq!(serde_json::to_value(Usage::new(3, 4)).expect("json")["total_tokens"], 7);
+    }
+}
