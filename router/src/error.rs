@@ -90,6 +90,10 @@ impl RouterError {
 
     pub fn to_status(&self) -> tonic::Status {
         match self {
+            // gRPC has no `param` field: the message names it.
+            RouterError::InvalidRequest { message, param: Some(param) } if !message.contains(param.as_str()) => {
+                tonic::Status::invalid_argument(format!("{param}: {message}"))
+            }
             RouterError::InvalidRequest { .. }
             | RouterError::TooLarge(_)
             | RouterError::UnsupportedMediaType
@@ -108,5 +112,58 @@ impl IntoResponse for RouterError {
             response.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("1"));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_has_one_http_status_and_grpc_code_that_agree() {
+        use tonic::Code;
+        let cases = [
+            (RouterError::invalid("prompt", "x"), StatusCode::BAD_REQUEST, Code::InvalidArgument, "invalid_request"),
+            (RouterError::ModelNotFound("m".into()), StatusCode::NOT_FOUND, Code::NotFound, "model_not_found"),
+            (RouterError::TooLarge(10), StatusCode::PAYLOAD_TOO_LARGE, Code::InvalidArgument, "too_large"),
+            (
+                RouterError::UnsupportedMediaType,
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                Code::InvalidArgument,
+                "unsupported_media_type",
+            ),
+            (
+                RouterError::Unprocessable("x".into()),
+                StatusCode::UNPROCESSABLE_ENTITY,
+                Code::InvalidArgument,
+                "unprocessable",
+            ),
+            (RouterError::Overloaded("x".into()), StatusCode::TOO_MANY_REQUESTS, Code::ResourceExhausted, "overloaded"),
+            (RouterError::NoWorker("decode"), StatusCode::SERVICE_UNAVAILABLE, Code::Unavailable, "no_worker"),
+            (
+                RouterError::Worker { stage: "prefill", message: "x".into() },
+                StatusCode::SERVICE_UNAVAILABLE,
+                Code::Unavailable,
+                "worker_failed",
+            ),
+        ];
+        for (error, http, grpc, reason) in cases {
+            assert_eq!(
+                (error.http_status(), error.to_status().code(), error.reason()),
+                (http, grpc, reason),
+                "{error}"
+            );
+        }
+        let body = serde_json::to_value(RouterError::ModelNotFound("m".into()).body()).expect("json");
+        assert_eq!(
+            (body["error"]["param"].as_str(), body["error"]["type"].as_str()),
+            (Some("model"), Some("not_found_error"))
+        );
+    }
+
+    #[test]
+    fn an_overloaded_answer_says_when_to_retry() {
+        let response = RouterError::Overloaded("no KV blocks".into()).into_response();
+        assert_eq!(response.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("1"));
     }
 }

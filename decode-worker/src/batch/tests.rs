@@ -94,13 +94,16 @@ fn a_prefilled_sequence_streams_its_first_token_at_once_then_one_per_step() {
     let mut state = chunked(256);
     // "h" = 7, "i" = 8 in the character tokenizer.
     let mut rx = f.admit(&mut state, Start::Prefilled { first_token: 7 }, 3);
-    assert_eq!(drain(&mut rx).0, vec!["h"]);
+    let mut texts = drain(&mut rx).0;
+    assert_eq!(texts, vec!["h"]);
     assert_eq!(state.inputs(&state.plan()), vec![vec![7]]);
     f.step(&mut state, &[8]);
-    assert_eq!(drain(&mut rx).0, vec!["i"]);
+    assert_eq!(state.inputs(&state.plan()), vec![vec![8]], "the sampled token is fed next");
     f.step(&mut state, &[8]);
-    let (texts, finished, error) = drain(&mut rx);
-    assert_eq!(texts, vec!["i"]);
+    let (more, finished, error) = drain(&mut rx);
+    texts.extend(more);
+    assert_eq!(texts.len(), 3, "one event per token");
+    assert_eq!(texts.concat(), f.tokenizer.decode(&[7, 8, 8], true).expect("decode"));
     assert!(error.is_none());
     let finished = finished.expect("finished at max_tokens");
     assert_eq!((finished.finish_reason.as_str(), finished.completion_tokens, finished.kv_bytes), ("length", 3, 100));

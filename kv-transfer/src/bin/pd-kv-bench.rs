@@ -80,7 +80,7 @@ async fn throughput_gbps(transport: Transport, mib: usize, repeat: usize) -> any
         Transport::Grpc => {
             let server = GrpcKvReceiver::start(registry.clone(), tokio::net::TcpListener::bind("127.0.0.1:0").await?)?;
             let sender = GrpcKvSender::connect(&server.local_addr().to_string(), Duration::from_secs(30)).await?;
-            let gbps = run_transfers(&sender, &registry, &pool, g, blocks, mib, repeat).await;
+            let gbps = run_transfers(&sender, &registry, &pool, mib, repeat).await;
             server.shutdown().await;
             gbps
         }
@@ -91,7 +91,7 @@ async fn throughput_gbps(transport: Transport, mib: usize, repeat: usize) -> any
                 if t == Transport::UcxShm { UcxConfig::loopback_shared_memory() } else { UcxConfig::loopback_tcp() };
             let server = UcxKvReceiver::start(registry.clone(), config.clone(), "127.0.0.1:0".parse()?)?;
             let sender = UcxKvSender::connect(server.local_addr(), config, Duration::from_secs(30)).await?;
-            let gbps = run_transfers(&sender, &registry, &pool, g, blocks, mib, repeat).await;
+            let gbps = run_transfers(&sender, &registry, &pool, mib, repeat).await;
             drop(sender);
             server.shutdown().await;
             gbps
@@ -103,11 +103,11 @@ async fn run_transfers<S: KvSender>(
     sender: &S,
     registry: &Arc<KvRegistry>,
     pool: &BlockManager,
-    g: KvGeometry,
-    blocks: usize,
     mib: usize,
     repeat: usize,
 ) -> anyhow::Result<f64> {
+    let g = geometry();
+    let blocks = pool.total_blocks();
     let layer_bytes: Vec<u8> = (0..g.frame_bytes(blocks)).map(|i| (i * 7 % 253) as u8).collect();
     let mut best = f64::MAX;
     for round in 0..repeat {

@@ -42,6 +42,36 @@ fn refused(err: &TransferError) -> pb::KvReceiverMessage {
     }
 }
 
+/// Opens the transfer a header names: its id and the acceptance, or the refusal to send.
+fn open(
+    registry: &KvRegistry,
+    h: pb::KvTransferHeader,
+) -> Result<(String, pb::KvReceiverMessage), pb::KvReceiverMessage> {
+    let id = h.transfer_id.clone();
+    match TransferHeader::from_pb(h).and_then(|header| registry.open(&header)) {
+        Ok(()) => {
+            let accepted = pb::KvAccepted { max_frames_in_flight: FRAMES_IN_FLIGHT as u32 };
+            Ok((id, pb::KvReceiverMessage { message: Some(Reply::Accepted(accepted)) }))
+        }
+        Err(e) => Err(refused(&registry.reject(&id, e))),
+    }
+}
+
+/// The refusal of a message out of protocol order (the transfer, if open, is rejected).
+fn unexpected(registry: &KvRegistry, message: Option<&Incoming>, id: Option<&str>) -> pb::KvReceiverMessage {
+    let what = match message {
+        Some(Incoming::Header(_)) => "a second header",
+        None => "an empty message",
+        _ => "a frame, commit or abort before the header",
+    };
+    let err = TransferError::Protocol(format!("unexpected {what}"));
+    let err = match id {
+        Some(id) => registry.reject(id, err),
+        None => err,
+    };
+    refused(&err)
+}
+
 /// Drives one transfer stream until it commits, fails or ends.
 async fn serve_stream(
     registry: Arc<KvRegistry>,
@@ -62,24 +92,16 @@ async fn serve_stream(
             }
         };
         let reply = match (message, &transfer_id) {
-            (Some(Incoming::Header(h)), None) => {
-                let id = h.transfer_id.clone();
-                match TransferHeader::from_pb(h).and_then(|header| registry.open(&header)) {
-                    Ok(()) => {
-                        transfer_id = Some(id);
-                        Some(pb::KvReceiverMessage {
-                            message: Some(Reply::Accepted(pb::KvAccepted {
-                                max_frames_in_flight: FRAMES_IN_FLIGHT as u32,
-                            })),
-                        })
-                    }
-                    Err(e) => {
-                        let e = registry.reject(&id, e);
-                        let _ = out.send(Ok(refused(&e))).await;
-                        return;
-                    }
+            (Some(Incoming::Header(h)), None) => match open(&registry, h) {
+                Ok((id, accepted)) => {
+                    transfer_id = Some(id);
+                    Some(accepted)
                 }
-            }
+                Err(refusal) => {
+                    let _ = out.send(Ok(refusal)).await;
+                    return;
+                }
+            },
             (Some(Incoming::Frame(f)), Some(id)) => match registry.apply_frame(id, &Frame::from_pb(f)) {
                 Ok(()) => None,
                 Err(e) => {
@@ -102,17 +124,7 @@ async fn serve_stream(
                 return;
             }
             (other, id) => {
-                let what = match other {
-                    Some(Incoming::Header(_)) => "a second header",
-                    None => "an empty message",
-                    _ => "a frame, commit or abort before the header",
-                };
-                let err = TransferError::Protocol(format!("unexpected {what}"));
-                let err = match id {
-                    Some(id) => registry.reject(id, err),
-                    None => err,
-                };
-                let _ = out.send(Ok(refused(&err))).await;
+                let _ = out.send(Ok(unexpected(&registry, other.as_ref(), id.as_deref()))).await;
                 return;
             }
         };

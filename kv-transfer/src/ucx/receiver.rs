@@ -314,32 +314,7 @@ fn run(
     let _ = ready.send(Ok(listener.1));
     let mut idle_rounds = 0u32;
     while !stop.load(Ordering::Acquire) {
-        let mut busy = false;
-        while worker.progress() {
-            busy = true;
-        }
-        for request in std::mem::take(&mut ctx.pending) {
-            busy = true;
-            accept(&worker, request, ctx_ptr);
-        }
-        for ep in std::mem::take(&mut ctx.failed) {
-            busy = true;
-            // UCX may report one endpoint more than once (also while closing it): close only
-            // endpoints still known, once.
-            let Some(ids) = ctx.eps.remove(&(ep as usize)) else { continue };
-            for id in ids {
-                ctx.registry.detach(&id); // the lease frees the blocks if no retry comes
-            }
-            ctx.replies.retain(|(to, _)| *to != ep);
-            worker.close_ep(ep);
-        }
-        for (ep, body) in std::mem::take(&mut ctx.replies) {
-            busy = true;
-            if ctx.eps.contains_key(&(ep as usize)) {
-                send_reply(&worker, ep, &body);
-            }
-        }
-        ctx.registry.expire_due();
+        let busy = round(&worker, &mut ctx, ctx_ptr);
         if busy {
             idle_rounds = 0;
         } else {
@@ -365,6 +340,38 @@ fn run(
     unsafe { sys::ucp_listener_destroy(listener.0) };
     drop(worker);
     drop(ctx);
+}
+
+/// One round of the worker thread: progress, new connections, failed endpoints, replies,
+/// expired leases. True when there was anything to do.
+fn round(worker: &Worker, ctx: &mut Ctx, ctx_ptr: *mut std::ffi::c_void) -> bool {
+    let mut busy = false;
+    while worker.progress() {
+        busy = true;
+    }
+    for request in std::mem::take(&mut ctx.pending) {
+        busy = true;
+        accept(worker, request, ctx_ptr);
+    }
+    for ep in std::mem::take(&mut ctx.failed) {
+        busy = true;
+        // UCX may report one endpoint more than once (also while closing it): close only
+        // endpoints still known, once.
+        let Some(ids) = ctx.eps.remove(&(ep as usize)) else { continue };
+        for id in ids {
+            ctx.registry.detach(&id); // the lease frees the blocks if no retry comes
+        }
+        ctx.replies.retain(|(to, _)| *to != ep);
+        worker.close_ep(ep);
+    }
+    for (ep, body) in std::mem::take(&mut ctx.replies) {
+        busy = true;
+        if ctx.eps.contains_key(&(ep as usize)) {
+            send_reply(worker, ep, &body);
+        }
+    }
+    ctx.registry.expire_due();
+    busy
 }
 
 fn listen(

@@ -277,6 +277,44 @@ fn run(
         let _ = ready.send(Err(e));
         return;
     }
+    let ep = match connect(&worker, addr, ctx_ptr) {
+        Ok(ep) => ep,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let _ = ready.send(Ok(()));
+    let mut idle_rounds = 0u32;
+    loop {
+        let stopping = shared.upgrade().is_none_or(|s| s.stop.load(Ordering::Acquire));
+        if stopping {
+            break;
+        }
+        let mut busy = false;
+        while worker.progress() {
+            busy = true;
+        }
+        while let Ok(command) = commands.try_recv() {
+            busy = true;
+            handle(command, ep, &mut ctx);
+        }
+        if busy {
+            idle_rounds = 0;
+        } else {
+            idle_rounds = idle_rounds.saturating_add(1);
+            if idle_rounds > 64 {
+                std::thread::sleep(Duration::from_micros(if idle_rounds > 4096 { 1000 } else { 50 }));
+            }
+        }
+    }
+    worker.close_ep(ep);
+    drop(worker);
+    drop(ctx);
+}
+
+/// Opens the endpoint to the receiver at `addr`, with `ctx_ptr` for its error handler.
+fn connect(worker: &Worker, addr: SocketAddr, ctx_ptr: *mut std::ffi::c_void) -> Result<sys::ucp_ep_h, TransferError> {
     let (storage, len) = sockaddr(addr);
     let mut params = sys::ucp_ep_params_t {
         field_mask: (sys::UCP_EP_PARAM_FIELD_FLAGS
@@ -294,53 +332,28 @@ fn run(
     // SAFETY: valid worker and params; `storage` outlives the call.
     let status = unsafe { sys::ucp_ep_create(worker.worker, &params, &mut ep) };
     if status != sys::ucs_status_t::UCS_OK {
-        let _ = ready.send(Err(status_error(&format!("connecting to {addr}"), status)));
-        return;
+        return Err(status_error(&format!("connecting to {addr}"), status));
     }
-    let _ = ready.send(Ok(()));
-    let mut idle_rounds = 0u32;
-    loop {
-        let stopping = shared.upgrade().is_none_or(|s| s.stop.load(Ordering::Acquire));
-        if stopping {
-            break;
-        }
-        let mut busy = false;
-        while worker.progress() {
-            busy = true;
-        }
-        while let Ok(command) = commands.try_recv() {
-            busy = true;
-            match command {
-                Command::Register { id, replies } => {
-                    if let Some(err) = &ctx.failed {
-                        let _ = replies.send(Err(err.clone()));
-                    } else {
-                        ctx.replies.insert(id, replies);
-                    }
-                }
-                Command::Unregister { id } => {
-                    ctx.replies.remove(&id);
-                }
-                Command::Send { header, data, permit } => {
-                    if ctx.failed.is_some() {
-                        continue; // every transfer was already told
-                    }
-                    send(ep, header, data, permit, &mut ctx);
-                }
+    Ok(ep)
+}
+
+/// One command from the transfers, on the worker thread.
+fn handle(command: Command, ep: sys::ucp_ep_h, ctx: &mut Ctx) {
+    match command {
+        Command::Register { id, replies } => {
+            if let Some(err) = &ctx.failed {
+                let _ = replies.send(Err(err.clone()));
+            } else {
+                ctx.replies.insert(id, replies);
             }
         }
-        if busy {
-            idle_rounds = 0;
-        } else {
-            idle_rounds = idle_rounds.saturating_add(1);
-            if idle_rounds > 64 {
-                std::thread::sleep(Duration::from_micros(if idle_rounds > 4096 { 1000 } else { 50 }));
-            }
+        Command::Unregister { id } => {
+            ctx.replies.remove(&id);
         }
+        // After a failure every transfer was already told: nothing more is sent.
+        Command::Send { .. } if ctx.failed.is_some() => {}
+        Command::Send { header, data, permit } => send(ep, header, data, permit, ctx),
     }
-    worker.close_ep(ep);
-    drop(worker);
-    drop(ctx);
 }
 
 fn send(ep: sys::ucp_ep_h, header: Vec<u8>, data: Vec<u8>, permit: Option<OwnedSemaphorePermit>, ctx: &mut Ctx) {

@@ -112,12 +112,11 @@ fn typed<T: serde::de::DeserializeOwned>(value: Value) -> Result<T, RouterError>
     serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner().to_string();
-        // An unknown field is reported at its parent; name the field itself.
         let unknown = inner.strip_prefix("unknown field `").and_then(|rest| rest.split('`').next()).map(str::to_string);
+        // An unknown field's path already ends with its name; at the top level it may be ".".
         let param = match (unknown, path.as_str()) {
             (Some(field), "." | "") => field,
-            (Some(field), parent) => format!("{parent}.{field}"),
-            (None, path) => path.to_string(),
+            (_, path) => path.to_string(),
         };
         let message = match inner.strip_prefix("unknown field") {
             Some(_) => format!("`{param}` is not supported by this server"),
@@ -157,4 +156,53 @@ fn params(kind: Kind, input: Input, c: OpenAiRequest) -> Result<GenerateParams, 
         stream: c.stream.unwrap_or(false),
         include_usage: c.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn param(kind: Kind, body: &str) -> Option<String> {
+        match decode(kind, body.as_bytes()) {
+            Err(RouterError::InvalidRequest { param, .. }) => param,
+            other => panic!("expected an invalid request for {body}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn bad_fields_are_named_by_their_path() {
+        assert_eq!(
+            param(Kind::Chat, r#"{"messages":[{"role":"user","content":"x"},{"role":"robot","content":"y"}]}"#)
+                .as_deref(),
+            Some("messages[1].role")
+        );
+        assert_eq!(param(Kind::Completion, r#"{"prompt":"x","temperature":"hot"}"#).as_deref(), Some("temperature"));
+        assert_eq!(param(Kind::Completion, r#"{"prompt":"x","frobnicate":1}"#).as_deref(), Some("frobnicate"));
+        assert_eq!(
+            param(Kind::Completion, r#"{"prompt":"x","stream_options":{"bogus":true}}"#).as_deref(),
+            Some("stream_options.bogus")
+        );
+        assert_eq!(param(Kind::Completion, r#"{"prompt":["a","b"]}"#).as_deref(), Some("prompt"));
+        assert_eq!(param(Kind::Completion, r#"{"messages":[]}"#).as_deref(), Some("messages"));
+        assert_eq!(param(Kind::Chat, r#"{"prompt":"x"}"#).as_deref(), Some("prompt"));
+        assert_eq!(param(Kind::Chat, r#"{"messages":[{"role":"user","content":"x"}],"n":2}"#).as_deref(), Some("n"));
+    }
+
+    #[test]
+    fn syntax_errors_and_non_objects_are_told_apart() {
+        assert!(matches!(decode(Kind::Chat, b"{not json"), Err(RouterError::InvalidRequest { param: None, .. })));
+        assert!(matches!(decode(Kind::Chat, b"[1,2]"), Err(RouterError::Unprocessable(_))));
+    }
+
+    #[test]
+    fn openai_defaults_and_extensions_are_read() {
+        let p = decode(Kind::Chat, br#"{"messages":[{"role":"user","content":"x"}],"max_completion_tokens":7,"stop":"\n","ignore_eos":true,"top_k":3,"user":"u"}"#).expect("valid");
+        assert_eq!((p.max_tokens, p.max_tokens_field, p.temperature), (Some(7), "max_completion_tokens", Some(1.0)));
+        assert_eq!((p.stop, p.ignore_eos, p.top_k), (vec!["\n".to_string()], true, Some(3)));
+        let p =
+            decode(Kind::Completion, br#"{"prompt":["one"],"stream":true,"stream_options":{"include_usage":true}}"#)
+                .expect("valid");
+        assert!(p.stream && p.include_usage);
+        assert!(matches!(p.input, Input::Prompt(ref s) if s == "one"));
+    }
 }

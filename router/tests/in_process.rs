@@ -1,0 +1,500 @@
+//! The router in-process against small pd.v1 workers: routing choice, prefill retries,
+//! cancellation, streaming order (the first token comes straight from the prefill worker),
+//! and every bad input over HTTP and gRPC.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use common::*;
+use pd_proto::v1 as pb;
+use serde_json::{json, Value};
+
+async fn chat(router: &Router, body: Value) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", router.http))
+        .json(&body)
+        .send()
+        .await
+        .expect("request")
+}
+
+fn hello(max_tokens: u32, stream: bool) -> Value {
+    json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens, "stream": stream, "temperature": 0})
+}
+
+async fn cluster() -> (Router, FakeDecode, FakePrefill) {
+    let commits = Commits::default();
+    let decode = FakeDecode::new(100, &commits);
+    let prefill = FakePrefill::new(&commits);
+    let router =
+        start_router(vec![serve_prefill(prefill.clone()).await], vec![serve_decode(decode.clone()).await]).await;
+    (router, decode, prefill)
+}
+
+#[tokio::test]
+async fn a_request_streams_every_token_once_in_order_then_the_end() {
+    let (router, _, _) = cluster().await;
+    let body = chat(&router, hello(4, true)).await.text().await.expect("body");
+    let events = sse_events(&body);
+    let texts: Vec<String> = events
+        .iter()
+        .filter_map(|(_, d)| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(texts, TOKENS.iter().map(|t| t.1.to_string()).collect::<Vec<_>>(), "{body}");
+    assert_eq!(events.last().map(|e| e.1.as_str()), Some("[DONE]"));
+    let whole: Value = chat(&router, hello(4, false)).await.json().await.expect("json");
+    assert_eq!(whole["choices"][0]["message"]["content"], "Hello, world!");
+    assert_eq!(whole["usage"]["completion_tokens"], 4);
+}
+
+#[tokio::test]
+async fn the_first_token_comes_from_the_prefill_worker_before_the_decode_worker_commits_it() {
+    let commits = Commits::default();
+    let decode = FakeDecode::new(100, &commits);
+    let mut prefill = FakePrefill::new(&commits);
+    // The decode worker gets the commit (and streams the first token) only after 1.5 s.
+    prefill.delay = Duration::from_millis(1500);
+    let router = start_router(vec![serve_prefill(prefill).await], vec![serve_decode(decode).await]).await;
+    let started = Instant::now();
+    let mut response = chat(&router, hello(2, true)).await;
+    let first = response.chunk().await.expect("read").expect("a first chunk");
+    let first_at = started.elapsed();
+    assert!(String::from_utf8_lossy(&first).contains("Hello"), "{first:?}");
+    assert!(first_at < Duration::from_millis(1200), "first token after {first_at:?}: it waited for the decode worker");
+    let mut rest = String::new();
+    while let Some(chunk) = response.chunk().await.expect("read") {
+        rest.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(!rest.contains("Hello"), "the committed echo of the first token is not sent again: {rest}");
+    assert!(rest.contains("[DONE]"));
+}
+
+#[tokio::test]
+async fn the_decode_worker_with_the_most_free_blocks_is_chosen() {
+    let commits = Commits::default();
+    let (small, big) = (FakeDecode::new(10, &commits), FakeDecode::new(500, &commits));
+    let prefill = FakePrefill::new(&commits);
+    let decode = vec![serve_decode(small.clone()).await, serve_decode(big.clone()).await];
+    let router = start_router(vec![serve_prefill(prefill).await], decode).await;
+    for _ in 0..3 {
+        assert!(chat(&router, hello(2, false)).await.status().is_success());
+    }
+    assert_eq!((small.requests.load(Ordering::SeqCst), big.requests.load(Ordering::SeqCst)), (0, 3));
+}
+
+#[tokio::test]
+async fn a_failing_prefill_worker_is_replaced_by_another() {
+    let commits = Commits::default();
+    let decode = FakeDecode::new(100, &commits);
+    let mut broken = FakePrefill::new(&commits);
+    broken.fail = Some(tonic::Code::Unavailable);
+    let mut busy = FakePrefill::new(&commits);
+    busy.waiting_tokens = 10_000; // chosen second
+    let prefill = vec![serve_prefill(broken.clone()).await, serve_prefill(busy.clone()).await];
+    let router = start_router(prefill, vec![serve_decode(decode).await]).await;
+    let whole: Value = chat(&router, hello(3, false)).await.json().await.expect("json");
+    assert_eq!(whole["choices"][0]["message"]["content"], "Hello, world");
+    assert_eq!((broken.requests.load(Ordering::SeqCst), busy.requests.load(Ordering::SeqCst)), (1, 1));
+    let metrics = reqwest::get(format!("{}/metrics", router.http)).await.expect("metrics").text().await.expect("text");
+    assert!(metrics.contains("pd_prefill_retries_total 1"), "{metrics}");
+}
+
+#[tokio::test]
+async fn a_lone_failing_prefill_worker_fails_the_request_with_503_and_a_bad_request_is_not_retried() {
+    let commits = Commits::default();
+    let decode = FakeDecode::new(100, &commits);
+    let mut broken = FakePrefill::new(&commits);
+    broken.fail = Some(tonic::Code::Unavailable);
+    let router = start_router(vec![serve_prefill(broken.clone()).await], vec![serve_decode(decode).await]).await;
+    let response = chat(&router, hello(3, false)).await;
+    assert_eq!(response.status(), 503);
+    let body: Value = response.json().await.expect("json");
+    assert!(body["error"]["message"].as_str().is_some_and(|m| m.contains("prefill")), "{body}");
+    let mut refusing = FakePrefill::new(&commits);
+    refusing.fail = Some(tonic::Code::InvalidArgument);
+    let decode = FakeDecode::new(100, &commits);
+    let router = start_router(vec![serve_prefill(refusing.clone()).await], vec![serve_decode(decode).await]).await;
+    assert_eq!(chat(&router, hello(3, false)).await.status(), 503);
+    assert_eq!(refusing.requests.load(Ordering::SeqCst), 1, "INVALID_ARGUMENT is not retried");
+}
+
+#[tokio::test]
+async fn no_reachable_worker_is_503_and_not_ready() {
+    let router_dead = {
+        // Workers that are not there: the router starts but is not ready.
+        let config_decode = vec!["127.0.0.1:1".to_string()];
+        let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = http.local_addr().expect("addr");
+        let config = pd_router::Config {
+            model: model_path(),
+            model_name: "SmolLM2-135M-Instruct".into(),
+            prefill_workers: Vec::new(),
+            decode_workers: config_decode,
+            local_prefill_max_tokens: 0,
+            limits: pd_router::Limits { max_tokens: 64, default_completion_tokens: 16, default_chat_tokens: 64 },
+            body_limit: 1 << 20,
+            drain_delay: Duration::ZERO,
+        };
+        tokio::spawn(pd_router::run(config, http, grpc, std::future::pending()));
+        format!("http://{addr}")
+    };
+    let client = reqwest::Client::new();
+    let mut status = None;
+    for _ in 0..100 {
+        if let Ok(r) = client.get(format!("{router_dead}/ready")).send().await {
+            status = Some(r.status());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(status.map(|s| s.as_u16()), Some(503));
+    let r =
+        client.post(format!("{router_dead}/v1/chat/completions")).json(&hello(2, false)).send().await.expect("request");
+    assert_eq!(r.status(), 503);
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_mid_stream_cancels_the_decode_stream() {
+    let commits = Commits::default();
+    let mut decode = FakeDecode::new(100, &commits);
+    decode.token_delay = Duration::from_millis(400);
+    let prefill = FakePrefill::new(&commits);
+    let router = start_router(vec![serve_prefill(prefill).await], vec![serve_decode(decode.clone()).await]).await;
+    let mut response = chat(&router, hello(4, true)).await;
+    response.chunk().await.expect("read").expect("first chunk");
+    drop(response);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while decode.cancelled.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(decode.cancelled.load(Ordering::SeqCst), 1, "the decode worker saw its stream closed");
+}
+
+#[tokio::test]
+async fn a_decode_failure_after_the_first_token_ends_the_stream_with_an_error_event() {
+    let commits = Commits::default();
+    let mut decode = FakeDecode::new(100, &commits);
+    decode.fail_after_first = Some(tonic::Code::Unavailable);
+    let prefill = FakePrefill::new(&commits);
+    let router = start_router(vec![serve_prefill(prefill).await], vec![serve_decode(decode).await]).await;
+    let body = chat(&router, hello(4, true)).await.text().await.expect("body");
+    let events = sse_events(&body);
+    let last = events.last().expect("events");
+    assert_eq!(last.0.as_deref(), Some("error"), "{body}");
+    assert!(!body.contains("[DONE]"), "a failed stream never reports success");
+    let whole = chat(&router, hello(4, false)).await;
+    assert_eq!(whole.status(), 503);
+}
+
+#[tokio::test]
+async fn grpc_generate_streams_the_same_tokens_and_names_the_request() {
+    let (router, _, _) = cluster().await;
+    let mut client = pb::generation_client::GenerationClient::connect(router.grpc.clone()).await.expect("connect");
+    let request = pb::GenerateRequest {
+        messages: vec![pb::ChatMessage { role: "user".into(), content: "Hi".into() }],
+        sampling: Some(pb::SamplingParams { max_tokens: 4, ..Default::default() }),
+        request_id: "grpc-1".into(),
+        ..Default::default()
+    };
+    let mut stream = client.generate(request).await.expect("generate").into_inner();
+    let mut texts = Vec::new();
+    let mut done = None;
+    while let Some(m) = stream.message().await.expect("message") {
+        match m.message {
+            Some(pb::generate_response::Message::Token(t)) => texts.push(t.text),
+            Some(pb::generate_response::Message::Done(d)) => done = Some(d),
+            None => {}
+        }
+    }
+    assert_eq!(texts.concat(), "Hello, world!");
+    let done = done.expect("done");
+    assert_eq!((done.request_id.as_str(), done.completion_tokens), ("grpc-1", 4));
+}
+
+/// Bad HTTP inputs: (path, content type, body, status, param named in the error).
+const HTTP_CASES: &[(&str, &str, &str, u16, Option<&str>)] = &[
+    ("/v1/chat/completions", "application/json", "{not json", 400, None),
+    ("/v1/chat/completions", "application/json", "[1, 2]", 422, None),
+    ("/v1/chat/completions", "text/plain", r#"{"messages":[]}"#, 415, None),
+    ("/v1/chat/completions", "application/json", r#"{}"#, 400, Some("messages")),
+    ("/v1/chat/completions", "application/json", r#"{"messages":[]}"#, 400, Some("messages")),
+    ("/v1/chat/completions", "application/json", r#"{"messages":"hi"}"#, 400, Some("messages")),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"robot","content":"x"}]}"#,
+        400,
+        Some("messages[0].role"),
+    ),
+    ("/v1/chat/completions", "application/json", r#"{"messages":[{"role":"user"}]}"#, 400, Some("messages[0]")),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"user","content":7}]}"#,
+        400,
+        Some("messages[0].content"),
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"user","content":"x"}],"model":"gpt-9"}"#,
+        404,
+        Some("model"),
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":0}"#,
+        400,
+        Some("max_tokens"),
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":5000}"#,
+        400,
+        Some("max_tokens"),
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":-1}"#,
+        400,
+        Some("max_tokens"),
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"user","content":"x"}],"max_completion_tokens":0}"#,
+        400,
+        Some("max_completion_tokens"),
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"user","content":"x"}],"temperature":3}"#,
+        400,
+        Some("temperature"),
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"user","content":"x"}],"temperature":"hot"}"#,
+        400,
+        Some("temperature"),
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"user","content":"x"}],"top_p":0}"#,
+        400,
+        Some("top_p"),
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"user","content":"x"}],"top_k":0}"#,
+        400,
+        Some("top_k"),
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"user","content":"x"}],"stop":["a","b","c","d","e"]}"#,
+        400,
+        Some("stop"),
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"user","content":"x"}],"stop":[""]}"#,
+        400,
+        Some("stop"),
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"user","content":"x"}],"stop":7}"#,
+        400,
+        Some("stop"),
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"user","content":"x"}],"n":2}"#,
+        400,
+        Some("n"),
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"user","content":"x"}],"stream":"yes"}"#,
+        400,
+        Some("stream"),
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"user","content":"x"}],"stream_options":3}"#,
+        400,
+        Some("stream_options"),
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"user","content":"x"}],"seed":-5}"#,
+        400,
+        Some("seed"),
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        r#"{"messages":[{"role":"user","content":"x"}],"tools":[]}"#,
+        400,
+        Some("tools"),
+    ),
+    ("/v1/chat/completions", "application/json", r#"{"prompt":"x"}"#, 400, Some("prompt")),
+    ("/v1/completions", "application/json", r#"{}"#, 400, Some("prompt")),
+    ("/v1/completions", "application/json", r#"{"prompt":""}"#, 400, Some("prompt")),
+    ("/v1/completions", "application/json", r#"{"prompt":["a","b"]}"#, 400, Some("prompt")),
+    ("/v1/completions", "application/json", r#"{"prompt":5}"#, 400, Some("prompt")),
+    ("/v1/completions", "application/json", r#"{"prompt":"x","messages":[]}"#, 400, Some("messages")),
+    ("/v1/completions", "application/json", r#"{"prompt":"x","max_tokens":8000}"#, 400, Some("max_tokens")),
+];
+
+#[tokio::test]
+async fn every_bad_http_input_gets_its_status_and_names_the_field() {
+    let (router, decode, _) = cluster().await;
+    let client = reqwest::Client::new();
+    for (path, content_type, body, status, param) in HTTP_CASES {
+        let r = client
+            .post(format!("{}{path}", router.http))
+            .header("content-type", *content_type)
+            .body(body.to_string())
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(r.status().as_u16(), *status, "{path} {body}");
+        let json: Value = r.json().await.expect("an OpenAI error body");
+        assert_eq!(json["error"]["param"].as_str(), *param, "{path} {body}: {json}");
+        assert!(json["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+    }
+    let header = client
+        .post(format!("{}/v1/chat/completions", router.http))
+        .header("x-pd-class", "Not A Class")
+        .json(&hello(2, false))
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(header.status(), 400);
+    let huge = "x".repeat(2 << 20);
+    let r = client
+        .post(format!("{}/v1/completions", router.http))
+        .header("content-type", "application/json")
+        .body(format!(r#"{{"prompt":"{huge}"}}"#))
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(r.status(), 413);
+    assert_eq!(decode.requests.load(Ordering::SeqCst), 0, "no bad request reached a worker");
+}
+
+#[tokio::test]
+async fn every_bad_grpc_input_is_invalid_argument_naming_the_field() {
+    let (router, decode, _) = cluster().await;
+    let mut client = pb::generation_client::GenerationClient::connect(router.grpc.clone()).await.expect("connect");
+    let user = |content: &str| vec![pb::ChatMessage { role: "user".into(), content: content.into() }];
+    let sampling = |f: fn(&mut pb::SamplingParams)| {
+        let mut s = pb::SamplingParams { max_tokens: 4, ..Default::default() };
+        f(&mut s);
+        Some(s)
+    };
+    let cases: Vec<(pb::GenerateRequest, tonic::Code, &str)> = vec![
+        (pb::GenerateRequest::default(), tonic::Code::InvalidArgument, "prompt"),
+        (
+            pb::GenerateRequest { prompt: "x".into(), messages: user("y"), ..Default::default() },
+            tonic::Code::InvalidArgument,
+            "prompt",
+        ),
+        (
+            pb::GenerateRequest {
+                messages: vec![pb::ChatMessage { role: "robot".into(), content: "x".into() }],
+                ..Default::default()
+            },
+            tonic::Code::InvalidArgument,
+            "messages[0].role",
+        ),
+        (
+            pb::GenerateRequest { prompt: "x".into(), model: "gpt-9".into(), ..Default::default() },
+            tonic::Code::NotFound,
+            "gpt-9",
+        ),
+        (
+            pb::GenerateRequest {
+                prompt: "x".into(),
+                sampling: sampling(|s| s.max_tokens = 5000),
+                ..Default::default()
+            },
+            tonic::Code::InvalidArgument,
+            "sampling.max_tokens",
+        ),
+        (
+            pb::GenerateRequest {
+                prompt: "x".into(),
+                sampling: sampling(|s| s.temperature = 9.0),
+                ..Default::default()
+            },
+            tonic::Code::InvalidArgument,
+            "temperature",
+        ),
+        (
+            pb::GenerateRequest { prompt: "x".into(), sampling: sampling(|s| s.top_p = 1.5), ..Default::default() },
+            tonic::Code::InvalidArgument,
+            "top_p",
+        ),
+        (
+            pb::GenerateRequest {
+                prompt: "x".into(),
+                sampling: sampling(|s| s.stop = vec!["a".into(); 5]),
+                ..Default::default()
+            },
+            tonic::Code::InvalidArgument,
+            "stop",
+        ),
+        (
+            pb::GenerateRequest {
+                prompt: "x".into(),
+                sampling: sampling(|s| s.stop = vec![String::new()]),
+                ..Default::default()
+            },
+            tonic::Code::InvalidArgument,
+            "stop",
+        ),
+    ];
+    for (request, code, named) in cases {
+        let status = client.generate(request.clone()).await.expect_err("refused");
+        assert_eq!(status.code(), code, "{request:?}: {status:?}");
+        assert!(status.message().contains(named), "{request:?}: {}", status.message());
+    }
+    assert_eq!(decode.requests.load(Ordering::SeqCst), 0, "no bad request reached a worker");
+}
+
+#[tokio::test]
+async fn grpc_and_http_chat_take_the_same_default_length() {
+    let (router, decode, _) = cluster().await;
+    let mut client = pb::generation_client::GenerationClient::connect(router.grpc.clone()).await.expect("connect");
+    let request = pb::GenerateRequest {
+        messages: vec![pb::ChatMessage { role: "user".into(), content: "Hi".into() }],
+        ..Default::default()
+    };
+    let mut stream = client.generate(request).await.expect("generate").into_inner();
+    while stream.message().await.expect("message").is_some() {}
+    assert_eq!(decode.last_max_tokens.load(Ordering::SeqCst), 512);
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}]});
+    assert!(chat(&router, body).await.status().is_success());
+    assert_eq!(decode.last_max_tokens.load(Ordering::SeqCst), 512);
+}
