@@ -498,3 +498,42 @@ async fn grpc_and_http_chat_take_the_same_default_length() {
     assert!(chat(&router, body).await.status().is_success());
     assert_eq!(decode.last_max_tokens.load(Ordering::SeqCst), 512);
 }
+
+#[tokio::test]
+async fn completions_stream_text_and_the_usage_chunk_when_asked() {
+    let (router, _, _) = cluster().await;
+    let body = json!({"prompt": "Say hi", "max_tokens": 3, "stream": true, "stream_options": {"include_usage": true}});
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/completions", router.http))
+        .json(&body)
+        .send()
+        .await
+        .expect("request");
+    let text = response.text().await.expect("body");
+    let chunks: Vec<Value> = sse_events(&text).iter().filter_map(|(_, d)| serde_json::from_str(d).ok()).collect();
+    let streamed: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+    assert_eq!(streamed, "Hello, world");
+    let finish = chunks.iter().find_map(|c| c["choices"][0]["finish_reason"].as_str());
+    assert_eq!(finish, Some("length"));
+    let usage = chunks.last().expect("chunks")["usage"].clone();
+    assert_eq!(
+        (usage["completion_tokens"].as_u64(), chunks.last().expect("last")["choices"].as_array().map(Vec::len)),
+        (Some(3), Some(0))
+    );
+    assert!(chunks.iter().all(|c| c["object"] == "text_completion"));
+}
+
+#[tokio::test]
+async fn models_health_and_metrics_answer() {
+    let (router, _, _) = cluster().await;
+    let models: Value =
+        reqwest::get(format!("{}/v1/models", router.http)).await.expect("models").json().await.expect("json");
+    assert_eq!(models["data"][0]["id"], "SmolLM2-135M-Instruct");
+    assert_eq!(reqwest::get(format!("{}/health", router.http)).await.expect("health").status(), 200);
+    assert!(chat(&router, hello(2, false)).await.status().is_success());
+    let metrics = reqwest::get(format!("{}/metrics", router.http)).await.expect("metrics").text().await.expect("text");
+    assert!(
+        metrics.contains("pd_time_to_first_token_seconds_count{class=\"default\",input_bucket=\"1-128\"} 1"),
+        "{metrics}"
+    );
+}

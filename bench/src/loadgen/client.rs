@@ -18,6 +18,7 @@ pub struct Target {
 
 /// Sends `prompt` (of `input_tokens` tokens) asking for exactly `output_tokens` tokens
 /// (`ignore_eos`), as traffic class `class`; times are ms since `origin`.
+#[allow(clippy::too_many_arguments)] // one request's fields, at the load generator's call sites
 pub async fn send(
     client: &reqwest::Client,
     target: &Target,

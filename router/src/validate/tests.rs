@@ -51,7 +51,8 @@ fn defaults_are_applied_once_for_every_kind() {
 
 #[test]
 fn sampling_fields_are_checked_by_name() {
-    let cases: Vec<(&str, Box<dyn Fn(&mut GenerateParams)>)> = vec![
+    type Change = Box<dyn Fn(&mut GenerateParams)>;
+    let cases: Vec<(&str, Change)> = vec![
         ("temperature", Box::new(|p| p.temperature = Some(2.5))),
         ("top_p", Box::new(|p| p.top_p = Some(0.0))),
         ("top_k", Box::new(|p| p.top_k = Some(0))),
