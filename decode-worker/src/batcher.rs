@@ -22,6 +22,7 @@ pub struct Batcher {
     /// Set at the end of a shutdown's grace period: every sequence still running ends
     /// with UNAVAILABLE and its blocks are freed.
     end_all: Arc<AtomicBool>,
+    max_batch: usize,
 }
 
 impl std::fmt::Debug for Batcher {
@@ -44,7 +45,7 @@ impl Batcher {
         let state = BatchState::new(policy, max_batch);
         let loop_state = Loop { engine, state, gauge: running.clone(), end_all: end_all.clone(), metrics };
         std::thread::Builder::new().name("pd-decode-batch".into()).spawn(move || loop_state.run(rx))?;
-        Ok(Batcher { admit, running, end_all })
+        Ok(Batcher { admit, running, end_all, max_batch: max_batch.max(1) })
     }
 
     /// Ends every running and every later sequence with UNAVAILABLE (shutdown).
@@ -52,6 +53,11 @@ impl Batcher {
         // Checked before every step; an idle loop has nothing to end, and a sequence admitted
         // later ends before its next step.
         self.end_all.store(true, Ordering::Relaxed);
+    }
+
+    /// Most sequences in one step.
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
     }
 
     /// Sequences in the running batch (prompts being prefilled here included).

@@ -276,6 +276,8 @@ impl DecodeWorker for DecodeService {
             running_sequences: self.batcher.running() as u32,
             waiting_transfers: self.registry.len() as u32,
             kv_cache_usage: blocks.usage_ratio(),
+            block_size: blocks.block_size() as u32,
+            max_batch: self.batcher.max_batch() as u32,
         }))
     }
 }

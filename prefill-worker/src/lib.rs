@@ -1,13 +1,14 @@
-//! pd-prefill: the prefill worker. It runs each prompt through its own engine in chunks,
-//! ships every layer's KV to the decode worker named in the request's KV target as soon as
-//! the layer is computed, commits with the first token and returns that token with the
-//! timings measured here (pd.v1.PrefillWorker). Prompts take turns on the engine chunk by
-//! chunk, shortest remaining first (`gate`), so a short prompt does not wait behind a whole
-//! long document; what waits is reported as waiting prefill tokens (`gauges`).
+//! pd-prefill: the prefill worker. It runs prompts through its engine in steps, ships every
+//! layer's KV to the decode worker named in the request's KV target as soon as the layer is
+//! computed, commits with the first token and returns that token with the timings measured
+//! here (pd.v1.PrefillWorker). Request-parallel prefill: one step runs chunks of several
+//! prompts in one forward (`step` plans it within a time budget, `steps` is the loop), so a
+//! short prompt does not wait behind a long document; what waits is reported as waiting
+//! prefill tokens (`gauges`), with the measured tokens/s, in the load the router reads.
 //!
 //! Stages of one request: `service` checks it and reports its spans and metrics; `pipeline`
-//! computes and ships (blocks at the first turn, chunks, the last chunk layer by layer, the
-//! first token and the commit); `error` is the one mapping of failures to gRPC statuses.
+//! follows it through the steps and ships (its last step layer by layer, the first token and
+//! the commit); `error` is the one mapping of failures to gRPC statuses.
 //!
 //! `/metrics`, `/health` and `/ready` are served on a second, HTTP port. On shutdown
 //! (SIGTERM) readiness fails, new prefills are refused, and the process exits once the
@@ -16,10 +17,11 @@
 #![warn(clippy::too_many_lines)] // functions stay under 80 lines (clippy.toml)
 
 pub mod error;
-pub mod gate;
 pub mod gauges;
 pub mod pipeline;
 pub mod service;
+pub mod step;
+pub mod steps;
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -42,14 +44,12 @@ pub struct Config {
     pub load: LoadOptions,
     /// Blocks for the prompt being prefilled (the longest prompt, plus slack).
     pub cache: CacheConfig,
-    /// Prefill chunk in tokens.
-    pub chunk: usize,
+    /// What one prefill step runs.
+    pub step: step::StepConfig,
     /// Longest wait on a decode worker's KV service (connect, window, commit).
     pub kv_timeout: Duration,
     /// On shutdown, the longest wait for accepted prefills to finish.
     pub grace: Duration,
-    /// A prompt waiting longer than this for a chunk's turn goes before shorter ones.
-    pub max_wait: Duration,
 }
 
 /// Loads the model and serves gRPC on `listener` and the HTTP endpoints on `http` until
@@ -66,9 +66,8 @@ pub async fn run(
         let config = config.clone();
         tokio::task::spawn_blocking(move || Engine::load(&config.model, config.load, config.cache)).await??
     };
-    let service_config =
-        ServiceConfig { chunk: config.chunk, kv_timeout: config.kv_timeout, max_wait: config.max_wait };
-    let service = PrefillService::new(Arc::new(engine), service_config, PrefillMetrics::register(&metrics));
+    let service_config = ServiceConfig { step: config.step, kv_timeout: config.kv_timeout };
+    let service = PrefillService::new(Arc::new(engine), service_config, PrefillMetrics::register(&metrics))?;
     let scraped = service.clone();
     metrics.on_scrape(move || scraped.refresh_gauges());
     let draining = service.clone();

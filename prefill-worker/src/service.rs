@@ -1,6 +1,6 @@
 //! The `pd.v1.PrefillWorker` service: `check` the request, open the KV connection to the
-//! decode worker named in its target, run the prefill pipeline (`pipeline`) with the chunk
-//! turns of this worker's engine (`gate`: shortest remaining prompt first, no starvation),
+//! decode worker named in its target, run the prefill pipeline (`pipeline`) on this worker's
+//! step loop (`steps`: several prompts per step, shortest remaining first, no starvation),
 //! and `report` the stages as spans in the request's trace (`prefill.queue`,
 //! `prefill.compute` with an event per chunk, `kv.send`, whose context travels in the KV
 //! transfer header so the decode worker's `kv.receive` is its child) and as metrics. While
@@ -24,51 +24,32 @@ use pd_telemetry::{RequestClass, StageLabels, StageSpan};
 use tonic::{Request, Response, Status};
 
 use crate::error::PrefillError;
-use crate::gate::{ChunkGate, Turn};
 use crate::gauges::{Counted, Gauges};
-use crate::pipeline::{prefill_and_send, ChunkScheduler, PrefillJob, PrefillSent};
+use crate::pipeline::{prefill_and_send, PrefillJob, PrefillSent};
+use crate::step::StepConfig;
+use crate::steps::Steps;
 
 /// How the service runs prefills.
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
-    /// Prefill chunk in tokens.
-    pub chunk: usize,
+    /// What one prefill step runs.
+    pub step: StepConfig,
     /// Longest wait on a decode worker's KV service.
     pub kv_timeout: Duration,
-    /// A prompt waiting longer than this for a chunk's turn goes before shorter ones.
-    pub max_wait: Duration,
 }
 
 /// Shared state of the prefill service.
 #[derive(Debug, Clone)]
 pub struct PrefillService {
     engine: Arc<Engine>,
-    /// Whose chunk runs next on this engine (shortest remaining prompt first).
-    gate: Arc<ChunkGate>,
+    /// The step loop that runs every prompt's chunks.
+    steps: Steps,
     gauges: Arc<Gauges>,
     /// One KV connection per decode worker, reused across requests.
     senders: Arc<Mutex<HashMap<String, GrpcKvSender>>>,
     config: ServiceConfig,
     metrics: PrefillMetrics,
     stopping: Arc<AtomicBool>,
-}
-
-/// The turns of one request at the gate; its first turn moves it from queued to running.
-struct Turns<'a> {
-    gate: &'a Arc<ChunkGate>,
-    counted: &'a Mutex<Counted>,
-}
-
-impl ChunkScheduler for Turns<'_> {
-    type Turn = Turn;
-
-    async fn turn(&self, remaining_tokens: usize) -> Turn {
-        let turn = self.gate.turn(remaining_tokens, Instant::now()).await;
-        if let Ok(mut counted) = self.counted.lock() {
-            counted.start_running();
-        }
-        turn
-    }
 }
 
 /// A request that passed `check`.
@@ -86,16 +67,16 @@ struct Spans {
 }
 
 impl PrefillService {
-    pub fn new(engine: Arc<Engine>, config: ServiceConfig, metrics: PrefillMetrics) -> Self {
-        PrefillService {
+    pub fn new(engine: Arc<Engine>, config: ServiceConfig, metrics: PrefillMetrics) -> std::io::Result<Self> {
+        Ok(PrefillService {
+            steps: Steps::start(engine.clone(), config.step)?,
             engine,
-            gate: ChunkGate::new(config.max_wait),
             gauges: Arc::new(Gauges::default()),
             senders: Arc::new(Mutex::new(HashMap::new())),
-            config: ServiceConfig { chunk: config.chunk.max(1), ..config },
+            config,
             metrics,
             stopping: Arc::new(AtomicBool::new(false)),
-        }
+        })
     }
 
     /// Refuses new prefills from now on (SIGTERM); those already accepted go on.
@@ -164,14 +145,14 @@ impl PrefillService {
         let tokens = checked.prompt.len();
         let counted = Mutex::new(Counted::new(self.gauges.clone(), tokens as u64, arrived));
         let header = checked.target.header(tokens as u32, pd_telemetry::otel::inject_map(spans.send.context()));
-        let job = PrefillJob {
-            engine: self.engine.clone(),
-            prompt: checked.prompt,
-            chunk: self.config.chunk,
-            header,
-            sampling: checked.sampling,
+        let job =
+            PrefillJob { engine: self.engine.clone(), prompt: checked.prompt, header, sampling: checked.sampling };
+        let on_start = || {
+            if let Ok(mut c) = counted.lock() {
+                c.start_running();
+            }
         };
-        let sent = prefill_and_send(job, &sender, &Turns { gate: &self.gate, counted: &counted }).await;
+        let sent = prefill_and_send(job, &sender, &self.steps, on_start).await;
         if sent.as_ref().is_err_and(PrefillError::breaks_connection) {
             self.forget_sender(&endpoint);
         }
@@ -185,7 +166,7 @@ impl PrefillService {
         queue.end_at(sent.compute_started);
         let compute = StageSpan::start_at("prefill.compute", &parent, sent.compute_started);
         compute.set("gen_ai.usage.input_tokens", tokens as i64);
-        compute.set("pd.prefill.chunk_tokens", self.config.chunk as i64);
+        compute.set("pd.prefill.step_target_ms", self.config.step.target.as_secs_f64() * 1e3);
         compute.set("pd.prefill.compute_ms", sent.prefill_time.as_secs_f64() * 1e3);
         compute.set("pd.prefill.waited_ms", sent.waited.as_secs_f64() * 1e3);
         for (i, (chunk_tokens, at)) in sent.chunks.iter().enumerate() {
@@ -253,6 +234,8 @@ impl PrefillWorker for PrefillService {
             waiting_prefill_tokens: self.gauges.waiting_tokens.load(Ordering::Relaxed),
             running_prefills: self.gauges.running.load(Ordering::Relaxed),
             queued_prefills: self.gauges.queued.load(Ordering::Relaxed),
+            prefill_tokens_per_s: self.steps.tokens_per_s(),
+            max_partial_prefills: self.config.step.max_prompts as u32,
         }))
     }
 }

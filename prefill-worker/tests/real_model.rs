@@ -11,7 +11,9 @@ use pd_engine::{CacheConfig, ChatMessage, Engine, LoadOptions, SamplingParams, S
 use pd_kv_transfer::engine_io::geometry_of;
 use pd_kv_transfer::grpc::{GrpcKvReceiver, GrpcKvSender};
 use pd_kv_transfer::{KvReceiver, KvRegistry, Reservation, TransferHeader};
-use pd_prefill::pipeline::{prefill_and_send, PrefillJob, Unscheduled};
+use pd_prefill::pipeline::{prefill_and_send, PrefillJob};
+use pd_prefill::step::StepConfig;
+use pd_prefill::steps::{StepEvent, Steps};
 
 fn model_path() -> PathBuf {
     let path = std::env::var_os("PD_MODEL")
@@ -62,14 +64,9 @@ async fn prefill_transfer_decode_gives_the_uninterrupted_greedy_tokens() {
                 })
                 .expect("reservation");
             // Chunks of 16 tokens: the last chunk ships layers while later layers compute.
-            let job = PrefillJob {
-                engine: prefill.clone(),
-                prompt: prompt.clone(),
-                chunk: 16,
-                header,
-                sampling: greedy.clone(),
-            };
-            let sent = prefill_and_send(job, &sender, &Unscheduled).await.expect("sent");
+            let job = PrefillJob { engine: prefill.clone(), prompt: prompt.clone(), header, sampling: greedy.clone() };
+            let steps = Steps::start(prefill.clone(), StepConfig::single(16)).expect("steps");
+            let sent = prefill_and_send(job, &sender, &steps, || {}).await.expect("sent");
             drop(sent.source);
             let committed = outcome.await.expect("outcome").expect("committed");
             assert_eq!(committed.first_token, expected[0]);
@@ -82,4 +79,55 @@ async fn prefill_transfer_decode_gives_the_uninterrupted_greedy_tokens() {
     assert_eq!(decode.blocks().free_blocks(), decode.blocks().total_blocks());
     assert_eq!(prefill.blocks().free_blocks(), prefill.blocks().total_blocks());
     server.shutdown().await;
+}
+
+/// Follows one prompt through the step loop: its greedy continuation from the KV the steps
+/// wrote, and the number of steps it took.
+async fn through_steps(
+    engine: &Arc<Engine>,
+    steps: &Steps,
+    prompt: Vec<u32>,
+    greedy: &SamplingParams,
+) -> (Vec<u32>, usize) {
+    let mut events = steps.submit(prompt).expect("submit");
+    let mut chunks = 0;
+    while let Some(event) = events.recv().await {
+        match event {
+            StepEvent::Chunk { .. } => chunks += 1,
+            StepEvent::Done(f) => {
+                let first = pd_engine::Sampler::new(greedy).expect("sampler").sample(&f.logits).expect("sample");
+                let tokens = engine.decode_from(f.kv, first, greedy, &mut |_| {}).expect("decode").tokens;
+                return (tokens, chunks);
+            }
+            StepEvent::Failed(e) => panic!("prefill failed: {e}"),
+            _ => {}
+        }
+    }
+    panic!("the step loop ended without an answer");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompts_prefilled_together_in_steps_give_the_tokens_of_a_whole_prefill() {
+    let engine = engine();
+    let mut greedy = SamplingParams::greedy(12);
+    greedy.ignore_eos = true;
+    let long = "Summarize: the lighthouse keeper climbed the stairs every evening, lit the lamp, wrote the weather in his log, and watched the ships pass until dawn, year after year, until the day the lamp was replaced by an automatic beacon and he moved to the village.";
+    let prompts: Vec<Vec<u32>> = [long, "What is the capital of France?"]
+        .iter()
+        .map(|q| engine.chat_prompt(&[ChatMessage::new("user", q)]).expect("prompt"))
+        .collect();
+    let expected: Vec<Vec<u32>> =
+        prompts.iter().map(|p| engine.generate(p, &greedy, 512, |_| {}).expect("whole").tokens).collect();
+    // Two prompts per step, chunks of at most 16 tokens, a budget that forces several steps.
+    let config =
+        StepConfig { max_prompts: 2, max_chunk: 16, target: Duration::from_millis(1), ..StepConfig::single(8) };
+    let steps = Steps::start(engine.clone(), config).expect("steps");
+    let (a, b) = tokio::join!(
+        through_steps(&engine, &steps, prompts[0].clone(), &greedy),
+        through_steps(&engine, &steps, prompts[1].clone(), &greedy)
+    );
+    assert_eq!(a.0, expected[0], "the long prompt, chunked beside the short one");
+    assert_eq!(b.0, expected[1], "the short prompt, beside the long one's chunks");
+    assert!(a.1 > 2 && b.1 > 2, "both took several steps: {} and {}", a.1, b.1);
+    assert_eq!(engine.blocks().free_blocks(), engine.blocks().total_blocks(), "every block is back");
 }

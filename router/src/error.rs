@@ -24,9 +24,13 @@ pub enum RouterError {
     /// Valid JSON that does not describe a request.
     #[error("{0}")]
     Unprocessable(String),
-    /// Over capacity (no KV blocks, queue full).
-    #[error("over capacity: {0}")]
-    Overloaded(String),
+    /// A request over its traffic class's input or output limit; names the limit.
+    #[error("{0}")]
+    OverClassLimit(String),
+    /// Over capacity (class queue budget, wait beyond the TTFT SLO, no KV blocks): retry
+    /// after `retry_after_s` seconds.
+    #[error("over capacity: {message}")]
+    Overloaded { message: String, retry_after_s: u64 },
     /// No worker of a pool answers.
     #[error("no {0} worker is available")]
     NoWorker(&'static str),
@@ -48,7 +52,8 @@ impl RouterError {
             RouterError::TooLarge(_) => "too_large",
             RouterError::UnsupportedMediaType => "unsupported_media_type",
             RouterError::Unprocessable(_) => "unprocessable",
-            RouterError::Overloaded(_) => "overloaded",
+            RouterError::OverClassLimit(_) => "over_class_limit",
+            RouterError::Overloaded { .. } => "overloaded",
             RouterError::NoWorker(_) => "no_worker",
             RouterError::Worker { .. } => "worker_failed",
         }
@@ -56,12 +61,12 @@ impl RouterError {
 
     pub fn http_status(&self) -> StatusCode {
         match self {
-            RouterError::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
+            RouterError::InvalidRequest { .. } | RouterError::OverClassLimit(_) => StatusCode::BAD_REQUEST,
             RouterError::ModelNotFound(_) => StatusCode::NOT_FOUND,
             RouterError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             RouterError::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             RouterError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
-            RouterError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
+            RouterError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             RouterError::NoWorker(_) | RouterError::Worker { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
@@ -70,11 +75,12 @@ impl RouterError {
     pub fn error_type(&self) -> &'static str {
         match self {
             RouterError::InvalidRequest { .. }
+            | RouterError::OverClassLimit(_)
             | RouterError::TooLarge(_)
             | RouterError::UnsupportedMediaType
             | RouterError::Unprocessable(_) => "invalid_request_error",
             RouterError::ModelNotFound(_) => "not_found_error",
-            RouterError::Overloaded(_) => "rate_limit_error",
+            RouterError::Overloaded { .. } => "rate_limit_error",
             RouterError::NoWorker(_) | RouterError::Worker { .. } => "service_unavailable",
         }
     }
@@ -95,21 +101,36 @@ impl RouterError {
                 tonic::Status::invalid_argument(format!("{param}: {message}"))
             }
             RouterError::InvalidRequest { .. }
+            | RouterError::OverClassLimit(_)
             | RouterError::TooLarge(_)
             | RouterError::UnsupportedMediaType
             | RouterError::Unprocessable(_) => tonic::Status::invalid_argument(self.to_string()),
             RouterError::ModelNotFound(_) => tonic::Status::not_found(self.to_string()),
-            RouterError::Overloaded(_) => tonic::Status::resource_exhausted(self.to_string()),
+            RouterError::Overloaded { retry_after_s, .. } => retry_status(self.to_string(), *retry_after_s),
             RouterError::NoWorker(_) | RouterError::Worker { .. } => tonic::Status::unavailable(self.to_string()),
         }
     }
 }
 
+/// RESOURCE_EXHAUSTED with a `google.rpc.RetryInfo` detail (and a `retry-after` metadata
+/// value for clients that do not read details).
+fn retry_status(message: String, retry_after_s: u64) -> tonic::Status {
+    use tonic_types::{ErrorDetails, StatusExt};
+    let details = ErrorDetails::with_retry_info(Some(std::time::Duration::from_secs(retry_after_s)));
+    let mut status = tonic::Status::with_error_details(tonic::Code::ResourceExhausted, message, details);
+    if let Ok(v) = retry_after_s.to_string().parse() {
+        status.metadata_mut().insert("retry-after", v);
+    }
+    status
+}
+
 impl IntoResponse for RouterError {
     fn into_response(self) -> Response {
         let mut response = (self.http_status(), axum::Json(self.body())).into_response();
-        if matches!(self, RouterError::Overloaded(_)) {
-            response.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("1"));
+        if let RouterError::Overloaded { retry_after_s, .. } = &self {
+            if let Ok(v) = axum::http::HeaderValue::from_str(&retry_after_s.to_string()) {
+                response.headers_mut().insert("retry-after", v);
+            }
         }
         response
     }
@@ -138,7 +159,18 @@ mod tests {
                 Code::InvalidArgument,
                 "unprocessable",
             ),
-            (RouterError::Overloaded("x".into()), StatusCode::TOO_MANY_REQUESTS, Code::ResourceExhausted, "overloaded"),
+            (
+                RouterError::Overloaded { message: "x".into(), retry_after_s: 1 },
+                StatusCode::TOO_MANY_REQUESTS,
+                Code::ResourceExhausted,
+                "overloaded",
+            ),
+            (
+                RouterError::OverClassLimit("x".into()),
+                StatusCode::BAD_REQUEST,
+                Code::InvalidArgument,
+                "over_class_limit",
+            ),
             (RouterError::NoWorker("decode"), StatusCode::SERVICE_UNAVAILABLE, Code::Unavailable, "no_worker"),
             (
                 RouterError::Worker { stage: "prefill", message: "x".into() },
@@ -163,7 +195,12 @@ mod tests {
 
     #[test]
     fn an_overloaded_answer_says_when_to_retry() {
-        let response = RouterError::Overloaded("no KV blocks".into()).into_response();
-        assert_eq!(response.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("1"));
+        let error = RouterError::Overloaded { message: "queue full".into(), retry_after_s: 3 };
+        let response = error.clone().into_response();
+        assert_eq!(response.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("3"));
+        use tonic_types::StatusExt;
+        let status = error.to_status();
+        let retry = status.get_details_retry_info().and_then(|r| r.retry_delay);
+        assert_eq!(retry, Some(std::time::Duration::from_secs(3)));
     }
 }

@@ -9,13 +9,13 @@ use pb::generation_server::Generation;
 use pd_proto::v1 as pb;
 use tonic::{Request, Response, Status};
 
+use crate::classes::CLASS_HEADER;
 use crate::error::RouterError;
 use crate::http::AppState;
 use crate::lifecycle;
 use crate::record::Arrival;
 use crate::relay::Update;
 use crate::validate::{GenerateParams, Input, Kind, Role};
-use pd_telemetry::RequestClass;
 
 /// The Generation service.
 #[derive(Debug, Clone)]
@@ -79,12 +79,17 @@ impl Generation for GenerationService {
 
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
         let arrival = Arrival::new(&pd_telemetry::otel::extract_metadata(request.metadata()));
-        let class = AppState::class(request.metadata().get(RequestClass::HEADER).map(|v| v.as_bytes()));
+        let metadata = request.metadata();
+        let class = self.state.class(
+            metadata.get(CLASS_HEADER).map(|v| v.as_bytes()),
+            metadata.get("authorization").map(|v| v.as_bytes()),
+        );
         let req = request.into_inner();
         let id = if req.request_id.is_empty() { self.state.request_id() } else { req.request_id.clone() };
         let params = params_from_pb(req);
-        let (valid, record) = self.state.accept(arrival, class, params, id.clone()).await.map_err(|e| e.to_status())?;
-        let updates = lifecycle::start(self.state.pools.clone(), self.state.text.clone(), &valid, record)
+        let (valid, class, record) =
+            self.state.accept(arrival, class, params, id.clone()).await.map_err(|e| e.to_status())?;
+        let updates = lifecycle::start(self.state.scheduler.clone(), self.state.text.clone(), &valid, class, record)
             .await
             .map_err(|e| e.to_status())?;
         Ok(Response::new(Box::pin(updates.map(move |u| response(u, &id)))))

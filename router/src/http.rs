@@ -19,12 +19,13 @@ use pd_engine::TextSide;
 
 use crate::api::request;
 use crate::api::response::{object_name, Choice, Chunk, ChunkChoice, Completion, ModelList, Usage};
+use crate::classes::{Class, CLASS_HEADER};
 use crate::error::RouterError;
 use crate::lifecycle::{self, Updates};
 use crate::record::{Arrival, RequestRecord};
 use crate::relay::Update;
+use crate::schedule::Scheduler;
 use crate::validate::{validate, GenerateParams, Kind, Limits, ValidRequest};
-use crate::workers::Pools;
 use pd_telemetry::metrics::RouterMetrics;
 use pd_telemetry::{Metrics, RequestClass};
 
@@ -32,7 +33,7 @@ use pd_telemetry::{Metrics, RequestClass};
 #[derive(Debug)]
 pub struct AppState {
     pub text: Arc<TextSide>,
-    pub pools: Arc<Pools>,
+    pub scheduler: Arc<Scheduler>,
     pub limits: Limits,
     pub model_name: String,
     pub body_limit: usize,
@@ -48,40 +49,43 @@ impl AppState {
         format!("req-{}-{}", std::process::id(), self.next_id.fetch_add(1, Ordering::Relaxed))
     }
 
-    /// The request's traffic class from the `x-pd-class` header or metadata value.
-    pub fn class(value: Option<&[u8]>) -> Result<RequestClass, RouterError> {
-        match value {
-            None => Ok(RequestClass::default_class()),
-            Some(v) => std::str::from_utf8(v)
-                .map_err(|_| RouterError::invalid(RequestClass::HEADER, "is not UTF-8"))
-                .and_then(|s| RequestClass::parse(s).map_err(|e| RouterError::invalid(RequestClass::HEADER, e))),
-        }
+    /// The request's traffic class from its API key, `x-pd-class` header or metadata value.
+    pub fn class(&self, header: Option<&[u8]>, authorization: Option<&[u8]>) -> Result<Arc<Class>, RouterError> {
+        self.scheduler.classes.assign(header, authorization)
     }
 
-    /// The `validate` stage, off the async runtime (it renders and tokenizes), and the
-    /// request's record: a refused request is logged, counted and answered.
+    /// The `validate` stage, off the async runtime (it renders and tokenizes), then the class's
+    /// limits, and the request's record: a refused request is logged, counted and answered.
     pub async fn accept(
         self: &Arc<Self>,
         arrival: Arrival,
-        class: Result<RequestClass, RouterError>,
+        class: Result<Arc<Class>, RouterError>,
         params: Result<GenerateParams, RouterError>,
         request_id: String,
-    ) -> Result<(ValidRequest, RequestRecord), RouterError> {
+    ) -> Result<(ValidRequest, Arc<Class>, RequestRecord), RouterError> {
         let state = self.clone();
         let validated = match params {
-            Ok(p) => tokio::task::spawn_blocking(move || validate(p, &state.text, &state.model_name, &state.limits))
-                .await
-                .unwrap_or_else(|e| Err(RouterError::Unprocessable(format!("validation failed: {e}")))),
+            Ok(p) => tokio::task::spawn_blocking(move || {
+                let (given, field) = (p.max_tokens.is_some(), p.max_tokens_field);
+                validate(p, &state.text, &state.model_name, &state.limits).map(|r| (r, given, field))
+            })
+            .await
+            .unwrap_or_else(|e| Err(RouterError::Unprocessable(format!("validation failed: {e}")))),
             Err(e) => Err(e),
         };
-        match class.and_then(|c| validated.map(|r| (c, r))) {
+        let label = class.as_ref().map_or_else(|_| RequestClass::default_class(), |c| c.label());
+        let checked = class.and_then(|c| {
+            let (mut req, given, field) = validated?;
+            req.params.max_tokens = c.check(req.prompt_tokens.len(), req.params.max_tokens, given, field)?;
+            Ok((c, req))
+        });
+        match checked {
             Ok((class, req)) => {
-                let record = arrival.into_record(self.router_metrics.clone(), request_id, class, Some(&req));
-                Ok((req, record))
+                let record = arrival.into_record(self.router_metrics.clone(), request_id, label, Some(&req));
+                Ok((req, class, record))
             }
             Err(e) => {
-                let mut record =
-                    arrival.into_record(self.router_metrics.clone(), request_id, RequestClass::default_class(), None);
+                let mut record = arrival.into_record(self.router_metrics.clone(), request_id, label, None);
                 record.fail(&e);
                 Err(e)
             }
@@ -146,14 +150,17 @@ async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap
 
 async fn handle(state: Arc<AppState>, kind: Kind, headers: HeaderMap, body: Body) -> Response {
     let arrival = Arrival::new(&pd_telemetry::otel::extract_headers(&headers));
-    let class = AppState::class(headers.get(RequestClass::HEADER).map(|v| v.as_bytes()));
+    let class = state.class(
+        headers.get(CLASS_HEADER).map(|v| v.as_bytes()),
+        headers.get(header::AUTHORIZATION).map(|v| v.as_bytes()),
+    );
     let params = read_body(&state, &headers, body).await.and_then(|b| request::decode(kind, &b));
     let id = state.request_id();
-    let (req, record) = match state.accept(arrival, class, params, id.clone()).await {
+    let (req, class, record) = match state.accept(arrival, class, params, id.clone()).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let updates = match lifecycle::start(state.pools.clone(), state.text.clone(), &req, record).await {
+    let updates = match lifecycle::start(state.scheduler.clone(), state.text.clone(), &req, class, record).await {
         Ok(u) => u,
         Err(e) => return e.into_response(),
     };
@@ -242,7 +249,7 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
     if state.draining.load(Ordering::Relaxed) {
         return (StatusCode::SERVICE_UNAVAILABLE, "draining: shutting down").into_response();
     }
-    if state.pools.ready().await {
+    if state.scheduler.ready() {
         (StatusCode::OK, "ready").into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "no prefill or no decode worker answers").into_response()

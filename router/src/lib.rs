@@ -3,7 +3,10 @@
 //! - front ends: OpenAI-compatible HTTP (`http`, JSON as the typed structs of `api`) and the
 //!   gRPC Generation API with reflection (`grpc`) both decode into `validate::GenerateParams`;
 //! - `validate`: one set of checks and defaults, chat template, tokenization;
-//! - `route`: the decode worker and where the prompt is prefilled (`workers` holds the pools);
+//! - `classes`: the request's traffic class and its limits;
+//! - `schedule`: admission (429 + Retry-After), the router's per-class queues, worker state
+//!   from a periodic refresh, where each prompt is prefilled; `workers` holds the channels;
+//! - `route`: the scheduler's grant as worker clients, the decision on the route span;
 //! - `lifecycle`: the decode worker's reservation and stream, the prefill (`prefill`, with
 //!   retries), and `relay`, which merges the prefill worker's first token with the decode
 //!   worker's stream;
@@ -13,6 +16,7 @@
 #![warn(clippy::too_many_lines)] // functions stay under 80 lines (clippy.toml)
 
 pub mod api;
+pub mod classes;
 pub mod error;
 pub mod grpc;
 pub mod http;
@@ -21,6 +25,7 @@ pub mod prefill;
 pub mod record;
 pub mod relay;
 pub mod route;
+pub mod schedule;
 pub mod validate;
 pub mod workers;
 
@@ -46,8 +51,10 @@ pub struct Config {
     /// Empty: colocated serving (decode workers prefill every prompt themselves).
     pub prefill_workers: Vec<String>,
     pub decode_workers: Vec<String>,
-    /// Prompts up to this many tokens are prefilled on the decode worker (0 = none).
-    pub local_prefill_max_tokens: usize,
+    /// Traffic classes (`--classes`, or the built-in interactive + batch).
+    pub classes: classes::Classes,
+    /// Queues, refresh and where prompts are prefilled.
+    pub schedule: schedule::ScheduleConfig,
     pub limits: Limits,
     /// Largest accepted request body in bytes.
     pub body_limit: usize,
@@ -68,18 +75,22 @@ pub async fn run(
         Arc::new(tokio::task::spawn_blocking(move || pd_engine::load_text_side(&model)).await??)
     };
     let metrics = Arc::new(pd_telemetry::Metrics::new());
+    let router_metrics = RouterMetrics::register(&metrics);
+    let pools = Arc::new(workers::Pools {
+        decode: workers::Pool::new("decode", config.decode_workers.clone()),
+        prefill: workers::Pool::new("prefill", config.prefill_workers.clone()),
+    });
+    let scheduler =
+        schedule::Scheduler::new(config.classes.clone(), config.schedule.clone(), pools, router_metrics.clone());
+    schedule::spawn_refresh(&scheduler).await;
     let state = Arc::new(http::AppState {
         text,
-        pools: Arc::new(workers::Pools {
-            decode: workers::Pool::new("decode", config.decode_workers.clone()),
-            prefill: workers::Pool::new("prefill", config.prefill_workers.clone()),
-            local_prefill_max_tokens: config.local_prefill_max_tokens,
-        }),
+        scheduler,
         limits: config.limits.clone(),
         model_name: config.model_name.clone(),
         body_limit: config.body_limit,
         next_id: AtomicU64::new(0),
-        router_metrics: RouterMetrics::register(&metrics),
+        router_metrics,
         metrics,
         draining: AtomicBool::new(false),
     });

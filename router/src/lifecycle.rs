@@ -1,5 +1,6 @@
-//! One request through the cluster (DESIGN.md's lifecycle), as stages: `route` (choose the
-//! workers), `open_decode` (the decode worker reserves KV and opens the token stream; its
+//! One request through the cluster (DESIGN.md's lifecycle), as stages: the scheduler's queue
+//! (`schedule`: admitted or refused, then granted workers), `route` (the grant as clients),
+//! `open_decode` (the decode worker reserves KV and opens the token stream; its
 //! first message is the KV target), the prefill on a prefill worker with that target
 //! (`prefill`, retried on another worker while the lease holds), and the relay (`relay`):
 //! the prefill worker's first token goes to the client as soon as it exists, the decode
@@ -21,11 +22,13 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
 
+use crate::classes::Class;
 use crate::error::RouterError;
 use crate::prefill::{traced, PrefillCall, Prefilled};
 use crate::record::{DecodeTimings, PrefillTimings, RequestRecord};
 use crate::relay::{decode_error, Relay, Relayed, Update};
 use crate::route::{route, Route};
+use crate::schedule::{Grant, Scheduler, Ticket};
 use crate::validate::ValidRequest;
 use crate::workers::Pools;
 
@@ -82,9 +85,9 @@ async fn open_decode(
 
 /// The prefill call for a KV target; no attempt starts after the target's lease ends.
 fn prefill_call(
-    pools: &Arc<Pools>,
+    scheduler: &Arc<Scheduler>,
     text: &Arc<TextSide>,
-    route: Route,
+    first: Option<crate::workers::Picked<pb::prefill_worker_client::PrefillWorkerClient<tonic::transport::Channel>>>,
     target: pb::KvTarget,
     req: &ValidRequest,
     record: &RequestRecord,
@@ -92,8 +95,8 @@ fn prefill_call(
     let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     let lease_left = Duration::from_millis(target.lease_deadline_unix_ms.saturating_sub(now_ms));
     PrefillCall {
-        pools: pools.clone(),
-        first: route.prefill,
+        scheduler: scheduler.clone(),
+        first,
         request: pb::PrefillRequest {
             request_id: record.request_id.clone(),
             prompt_tokens: req.prompt_tokens.clone(),
@@ -109,16 +112,42 @@ fn prefill_call(
     }
 }
 
-/// Starts `req` and returns its updates. Errors before the stream opens come back directly.
+/// Waits in the scheduler's queue for a grant (the `router.queue` span), or is refused.
+async fn queue(
+    scheduler: &Arc<Scheduler>,
+    class: &Arc<Class>,
+    req: &ValidRequest,
+    record: &RequestRecord,
+) -> Result<Grant, RouterError> {
+    let span = pd_telemetry::StageSpan::start("router.queue", record.span().context());
+    span.set("pd.class", class.name.clone());
+    let granted = match scheduler.submit(class, req.prompt_tokens.len(), req.params.max_tokens) {
+        Ok(pending) => pending.granted().await,
+        Err(e) => Err(e),
+    };
+    match &granted {
+        Ok(g) => span.set("pd.queue.waited_ms", g.waited.as_secs_f64() * 1e3),
+        Err(e) => span.error(e.to_string()),
+    }
+    span.end();
+    granted
+}
+
+/// Starts `req` of `class` and returns its updates. Errors before the stream opens (refusal,
+/// no worker, the decode worker's reservation) come back directly.
 pub async fn start(
-    pools: Arc<Pools>,
+    scheduler: Arc<Scheduler>,
     text: Arc<TextSide>,
     req: &ValidRequest,
+    class: Arc<Class>,
     mut record: RequestRecord,
 ) -> Result<Updates, RouterError> {
     let opened = async {
-        let mut chosen = route(&pools, req.prompt_tokens.len(), &mut record).await?;
-        let opened = open_decode(&pools, &mut chosen, req, &record).await?;
+        let grant = queue(&scheduler, &class, req, &record).await?;
+        let metrics = record.metrics().clone();
+        let mut chosen = route(&scheduler.pools, grant, &metrics, &mut record)?;
+        let opened = open_decode(&scheduler.pools, &mut chosen, req, &record).await?;
+        chosen.ticket.decode_opened();
         Ok::<_, RouterError>((chosen, opened))
     }
     .await;
@@ -129,13 +158,14 @@ pub async fn start(
             return Err(e);
         }
     };
+    let Route { prefill: first, ticket, .. } = chosen;
     let prefill = target.map(|t| {
-        let call = prefill_call(&pools, &text, chosen, t, req, &record);
+        let call = prefill_call(&scheduler, &text, first, t, req, &record);
         AbortOnDrop(tokio::spawn(call.run()))
     });
     let (tx, rx) = mpsc::channel(64);
     let relay = Relay::new(prefill.is_some());
-    tokio::spawn(RelayTask { events, prefill, tx, record, relay }.run());
+    tokio::spawn(RelayTask { events, prefill, tx, record, relay, ticket, prefilled: false }.run());
     Ok(ReceiverStream::new(rx))
 }
 
@@ -148,6 +178,10 @@ struct RelayTask {
     tx: mpsc::Sender<Result<Update, RouterError>>,
     record: RequestRecord,
     relay: Relay,
+    /// The capacity this request holds at the scheduler (all of it given back when the relay
+    /// ends; the prefill slot as soon as the first token exists).
+    ticket: Ticket,
+    prefilled: bool,
 }
 
 /// What the relay loop waited for.
@@ -179,7 +213,13 @@ impl RelayTask {
     /// cancels the decode stream).
     async fn run(mut self) {
         loop {
-            let relayed = match self.next().await {
+            let next = self.next().await;
+            if !self.prefilled && matches!(next, Next::Prefill(_) | Next::Decode(Ok(Some(_)))) {
+                // The first token exists (or the prefill failed): the prefill slot is free.
+                self.prefilled = true;
+                self.ticket.prefill_done();
+            }
+            let relayed = match next {
                 Next::ClientGone => return,
                 Next::Prefill(Err(e)) => Relayed::Fail(e),
                 Next::Prefill(Ok(p)) => {

@@ -20,10 +20,32 @@ struct Args {
     /// colocated serving, the decode workers prefill every prompt in their batch.
     #[arg(long, env = "PD_PREFILL_WORKERS", value_delimiter = ',')]
     prefill: Vec<String>,
-    /// Prompts of at most this many tokens are prefilled on the decode worker instead of a
-    /// prefill worker (conditional disaggregation; 0 = never).
+    /// Traffic classes (TOML; see deploy/classes/default.toml, the built-in set).
+    #[arg(long, env = "PD_CLASSES")]
+    classes: Option<PathBuf>,
+    /// Conditional disaggregation: a prompt of at most this many tokens may be prefilled on
+    /// the decode worker (0 = never) ...
     #[arg(long, env = "PD_LOCAL_PREFILL_MAX_TOKENS", default_value_t = 0)]
     local_prefill_max_tokens: usize,
+    /// ... and at most this many times its max_tokens ...
+    #[arg(long, default_value_t = 4.0)]
+    local_prefill_max_ratio: f64,
+    /// ... while the prefill pool's estimated wait is at least this (milliseconds) ...
+    #[arg(long, default_value_t = 500)]
+    local_prefill_min_wait_ms: u64,
+    /// ... and the decode worker keeps this fraction of its KV blocks free.
+    #[arg(long, default_value_t = 0.25)]
+    local_prefill_min_free_kv: f64,
+    /// How often every worker's load is read (milliseconds).
+    #[arg(long, env = "PD_REFRESH_MS", default_value_t = 100)]
+    refresh_ms: u64,
+    /// Prefill tokens per second assumed for a worker that has not measured its own rate.
+    #[arg(long, default_value_t = 250.0)]
+    prefill_tokens_per_s: f64,
+    /// The prefill workers' per-prompt step budget in tokens (their --step-tokens), for wait
+    /// estimates.
+    #[arg(long, default_value_t = 256)]
+    prefill_step_tokens: usize,
     /// Decode workers, host:port (DNS names are re-resolved on every request).
     #[arg(long, env = "PD_DECODE_WORKERS", value_delimiter = ',', required = true)]
     decode: Vec<String>,
@@ -59,7 +81,18 @@ async fn main() -> anyhow::Result<()> {
         model_name: args.model_name,
         prefill_workers: args.prefill,
         decode_workers: args.decode,
-        local_prefill_max_tokens: args.local_prefill_max_tokens,
+        classes: pd_router::classes::Classes::load(args.classes.as_deref())?,
+        schedule: pd_router::schedule::ScheduleConfig {
+            refresh: std::time::Duration::from_millis(args.refresh_ms.max(1)),
+            local: pd_router::schedule::policy::LocalRule {
+                max_tokens: args.local_prefill_max_tokens,
+                max_ratio: args.local_prefill_max_ratio,
+                min_prefill_wait: std::time::Duration::from_millis(args.local_prefill_min_wait_ms),
+                min_free_kv: args.local_prefill_min_free_kv,
+            },
+            prior_tokens_per_s: args.prefill_tokens_per_s,
+            step_budget: args.prefill_step_tokens,
+        },
         limits: pd_router::Limits {
             max_tokens: args.max_tokens,
             default_completion_tokens: 16,

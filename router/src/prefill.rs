@@ -16,7 +16,8 @@ use tonic::transport::Channel;
 
 use crate::error::RouterError;
 use crate::record::PrefillTimings;
-use crate::workers::{Picked, Pools};
+use crate::schedule::Scheduler;
+use crate::workers::Picked;
 
 /// Prefill attempts per request (each on another worker).
 pub const PREFILL_ATTEMPTS: usize = 3;
@@ -35,7 +36,7 @@ pub fn traced<T>(message: T, cx: &Context, class: &RequestClass) -> tonic::Reque
 /// One request's prefill, with what a retry needs.
 #[derive(Debug)]
 pub struct PrefillCall {
-    pub pools: Arc<Pools>,
+    pub scheduler: Arc<Scheduler>,
     /// The worker the route chose (taken by the first attempt).
     pub first: Option<Picked<Client>>,
     pub request: pb::PrefillRequest,
@@ -69,9 +70,14 @@ impl PrefillCall {
             let Some(left) = self.deadline.checked_duration_since(Instant::now()) else { break };
             let picked = match next.take() {
                 Some(p) => p,
-                None => match self.pools.pick_prefill(&tried).await {
-                    Ok(p) => p,
-                    Err(e) => return Err(if tried.is_empty() { e } else { last_error }),
+                None => match self.scheduler.retry_prefill_worker(&tried) {
+                    Some(addr) => {
+                        match self.scheduler.pools.prefill_client(&addr, "retry: shortest estimated wait".into()) {
+                            Ok(p) => p,
+                            Err(e) => return Err(if tried.is_empty() { e } else { last_error }),
+                        }
+                    }
+                    None => return Err(last_error),
                 },
             };
             if attempt > 0 {
@@ -111,7 +117,7 @@ impl PrefillCall {
                 use tonic::Code;
                 let retryable =
                     matches!(status.code(), Code::Unavailable | Code::Unknown | Code::Cancelled | Code::Internal);
-                self.pools.prefill.forget(&addr);
+                self.scheduler.pools.prefill.forget(&addr);
                 Err((RouterError::Worker { stage: "prefill", message: status.message().to_string() }, retryable))
             }
             Err(_) => Err((RouterError::Worker { stage: "prefill", message: "timed out".into() }, true)),

@@ -47,7 +47,9 @@ pub fn decode_error(status: tonic::Status) -> RouterError {
         tonic::Code::InvalidArgument => {
             RouterError::InvalidRequest { message: status.message().to_string(), param: None }
         }
-        tonic::Code::ResourceExhausted => RouterError::Overloaded(status.message().to_string()),
+        tonic::Code::ResourceExhausted => {
+            RouterError::Overloaded { message: status.message().to_string(), retry_after_s: 1 }
+        }
         _ => RouterError::Worker { stage: "decode", message: status.message().to_string() },
     }
 }
@@ -177,6 +179,6 @@ mod tests {
         assert!(matches!(relay.on_decode_event(Ok(None)), Relayed::Fail(RouterError::Worker { .. })));
         let mut relay = Relay::new(true);
         let full = relay.on_decode_event(Err(tonic::Status::resource_exhausted("no KV blocks")));
-        assert!(matches!(full, Relayed::Fail(RouterError::Overloaded(_))));
+        assert!(matches!(full, Relayed::Fail(RouterError::Overloaded { .. })));
     }
 }

@@ -1,65 +1,73 @@
-//! The `route` stage: which decode worker holds the request's KV and streams its tokens, and
-//! where its prompt is prefilled (a prefill worker, or the decode worker itself under
-//! colocated serving and conditional disaggregation). The choice and its reasons go on the
-//! `router.route` span and into the request's record.
+//! The `route` stage: the scheduler's grant (which decode worker holds the request's KV and
+//! streams its tokens, and where its prompt is prefilled: a prefill worker, or the decode
+//! worker itself under colocated serving and conditional disaggregation) becomes clients.
+//! The choice and its reasons go on the `router.route` span, into the request's record and
+//! into `pd_route_decisions_total{where,reason}`.
 
 use pd_proto::v1::decode_worker_client::DecodeWorkerClient;
 use pd_proto::v1::prefill_worker_client::PrefillWorkerClient;
+use pd_telemetry::metrics::RouterMetrics;
 use tonic::transport::Channel;
 
 use crate::error::RouterError;
 use crate::record::RequestRecord;
+use crate::schedule::{Grant, Ticket};
 use crate::workers::{Picked, Pools};
 
-/// Where one request runs.
+/// Where one request runs, and the capacity it holds there.
 #[derive(Debug)]
 pub struct Route {
     pub decode: Picked<DecodeWorkerClient<Channel>>,
     /// None: the decode worker prefills the prompt in its batch.
     pub prefill: Option<Picked<PrefillWorkerClient<Channel>>>,
+    pub ticket: Ticket,
 }
 
-/// Why a prompt is prefilled on the decode worker.
-fn local_reason(pools: &Pools, prompt_tokens: usize) -> String {
-    if pools.prefill.specs_empty() {
-        "colocated: no prefill pool".to_string()
-    } else {
-        format!("short prompt: {prompt_tokens} <= {} tokens", pools.local_prefill_max_tokens)
-    }
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
 }
 
-/// Chooses the workers for a prompt of `prompt_tokens` tokens.
-pub async fn route(pools: &Pools, prompt_tokens: usize, record: &mut RequestRecord) -> Result<Route, RouterError> {
+/// Turns `grant` into clients and records the decision.
+pub fn route(
+    pools: &Pools,
+    grant: Grant,
+    metrics: &RouterMetrics,
+    record: &mut RequestRecord,
+) -> Result<Route, RouterError> {
     let span = pd_telemetry::StageSpan::start("router.route", record.span().context());
-    let here = pools.prefill_here(prompt_tokens);
-    let picked = async {
-        let decode = pools.pick_decode(&[]).await?;
-        let prefill = if here { None } else { Some(pools.pick_prefill(&[]).await?) };
-        Ok::<_, RouterError>(Route { decode, prefill })
-    }
-    .await;
-    let route = match picked {
-        Ok(r) => r,
+    let Grant { decode, prefill, place, waited, prefill_wait, ticket } = grant;
+    let wait_ms = prefill_wait.map_or(-1.0, ms);
+    span.set("pd.route.where", place.where_label());
+    span.set("pd.route.reason", place.reason());
+    span.set("pd.route.queue_ms", ms(waited));
+    span.set("pd.route.prefill_wait_estimate_ms", wait_ms);
+    metrics.route_decisions.with_label_values(&[place.where_label(), place.reason()]).inc();
+    let picked = pools.decode_client(&decode, "most free KV blocks with room".into()).and_then(|d| {
+        let p = match &prefill {
+            Some(addr) => Some(pools.prefill_client(addr, format!("shortest estimated wait: {wait_ms:.0} ms"))?),
+            None => None,
+        };
+        Ok((d, p))
+    });
+    let (decode, prefill) = match picked {
+        Ok(p) => p,
         Err(e) => {
             span.error(e.to_string());
             return Err(e);
         }
     };
-    span.set("pd.decode.worker", route.decode.addr.clone());
-    span.set("pd.decode.why", route.decode.why.clone());
-    record.decode_worker = route.decode.addr.clone();
-    match &route.prefill {
+    span.set("pd.decode.worker", decode.addr.clone());
+    record.decode_worker = decode.addr.clone();
+    match &prefill {
         Some(p) => {
             span.set("pd.prefill.worker", p.addr.clone());
-            span.set("pd.prefill.why", p.why.clone());
             record.prefill_worker = p.addr.clone();
         }
         None => {
             span.set("pd.prefill.worker", "decode worker");
-            span.set("pd.prefill.why", local_reason(pools, prompt_tokens));
-            record.prefill_worker = format!("local:{}", route.decode.addr);
+            record.prefill_worker = format!("local:{}", decode.addr);
         }
     }
     span.end();
-    Ok(route)
+    Ok(Route { decode, prefill, ticket })
 }

@@ -134,7 +134,8 @@ async fn no_reachable_worker_is_503_and_not_ready() {
             model_name: "SmolLM2-135M-Instruct".into(),
             prefill_workers: Vec::new(),
             decode_workers: config_decode,
-            local_prefill_max_tokens: 0,
+            classes: pd_router::classes::Classes::load(None).expect("classes"),
+            schedule: pd_router::schedule::ScheduleConfig::default(),
             limits: pd_router::Limits { max_tokens: 64, default_completion_tokens: 16, default_chat_tokens: 64 },
             body_limit: 1 << 20,
             drain_delay: Duration::ZERO,
@@ -533,7 +534,7 @@ async fn models_health_and_metrics_answer() {
     assert!(chat(&router, hello(2, false)).await.status().is_success());
     let metrics = reqwest::get(format!("{}/metrics", router.http)).await.expect("metrics").text().await.expect("text");
     assert!(
-        metrics.contains("pd_time_to_first_token_seconds_count{class=\"default\",input_bucket=\"1-128\"} 1"),
+        metrics.contains("pd_time_to_first_token_seconds_count{class=\"interactive\",input_bucket=\"1-128\"} 1"),
         "{metrics}"
     );
 }

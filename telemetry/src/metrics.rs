@@ -8,7 +8,9 @@
 
 use std::sync::Mutex;
 
-use prometheus::{Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry, TextEncoder};
+use prometheus::{
+    Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry, TextEncoder,
+};
 
 /// Histogram buckets in seconds: milliseconds to minutes.
 pub const LATENCY_BUCKETS: &[f64] =
@@ -31,6 +33,9 @@ pub mod names {
     pub const REJECTED: &str = "pd_requests_rejected_total";
     pub const PREFILL_RETRIES: &str = "pd_prefill_retries_total";
     pub const REQUESTS: &str = "pd_requests_total";
+    pub const ROUTE_DECISIONS: &str = "pd_route_decisions_total";
+    pub const ROUTER_QUEUE_TIME: &str = "pd_router_queue_time_seconds";
+    pub const ROUTER_QUEUED: &str = "pd_router_queued_requests";
 }
 
 /// Upper bounds of the input-length buckets, in prompt tokens.
@@ -152,6 +157,12 @@ impl Metrics {
         g
     }
 
+    pub fn gauge_vec(&self, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+        let g = GaugeVec::new(Opts::new(name, help), labels).expect("valid gauge");
+        self.registry.register(Box::new(g.clone())).expect("unique metric name");
+        g
+    }
+
     /// Runs `hook` before every scrape (for gauges read from live state).
     pub fn on_scrape(&self, hook: impl Fn() + Send + Sync + 'static) {
         if let Ok(mut hooks) = self.hooks.lock() {
@@ -183,6 +194,12 @@ pub struct RouterMetrics {
     /// Prefills re-sent to another prefill worker after a failure (decode migration, when it
     /// exists, gets `pd_migrations_total`).
     pub prefill_retries: IntCounter,
+    /// Where each prompt was prefilled (`where`: local or remote) and why.
+    pub route_decisions: IntCounterVec,
+    /// Time a request waited in the router's class queue before dispatch.
+    pub queue_time: HistogramVec,
+    /// Requests waiting in the router's queues, by class.
+    pub queued: GaugeVec,
 }
 
 impl RouterMetrics {
@@ -195,6 +212,17 @@ impl RouterMetrics {
             rejected: m.counter_vec(names::REJECTED, "Requests refused before generating, by reason.", &["reason"]),
             prefill_retries: m
                 .counter(names::PREFILL_RETRIES, "Prefills re-sent to another prefill worker after a failure."),
+            route_decisions: m.counter_vec(
+                names::ROUTE_DECISIONS,
+                "Where prompts were prefilled (local: on the decode worker) and why.",
+                &["where", "reason"],
+            ),
+            queue_time: m.histogram(
+                names::ROUTER_QUEUE_TIME,
+                "Request arrival to its dispatch from the router's class queue.",
+                &["class"],
+            ),
+            queued: m.gauge_vec(names::ROUTER_QUEUED, "Requests waiting in the router's queues.", &["class"]),
         }
     }
 }

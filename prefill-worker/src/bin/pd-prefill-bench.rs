@@ -11,7 +11,9 @@ use pd_engine::{CacheConfig, ChatMessage, Engine, LoadOptions, WireDType};
 use pd_kv_transfer::engine_io::geometry_of;
 use pd_kv_transfer::grpc::{GrpcKvReceiver, GrpcKvSender};
 use pd_kv_transfer::{KvReceiver, KvRegistry, Reservation, TransferHeader};
-use pd_prefill::pipeline::{prefill_and_send, PrefillJob, Unscheduled};
+use pd_prefill::pipeline::{prefill_and_send, PrefillJob};
+use pd_prefill::step::StepConfig;
+use pd_prefill::steps::Steps;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -71,11 +73,11 @@ async fn run(args: &Args) -> anyhow::Result<()> {
         let job = PrefillJob {
             engine: prefill.clone(),
             prompt: prompt.clone(),
-            chunk: 512,
             header,
             sampling: pd_engine::SamplingParams::greedy(1),
         };
-        let sent = prefill_and_send(job, &sender, &Unscheduled).await?;
+        let steps = Steps::start(prefill.clone(), StepConfig::single(512))?;
+        let sent = prefill_and_send(job, &sender, &steps, || {}).await?;
         drop(outcome.await?.map_err(|e| anyhow::anyhow!("{e}"))?);
         rows[0].push(format!("{:.2} s", sent.prefill_time.as_secs_f64()));
         rows[1].push(format!("{:.1} MB", sent.receipt.bytes as f64 / 1e6));

@@ -1,0 +1,67 @@
+use super::*;
+
+fn cfg() -> StepConfig {
+    StepConfig {
+        max_prompts: 4,
+        max_long: 1,
+        long_threshold: 512,
+        target: Duration::from_millis(150),
+        min_chunk: 16,
+        max_chunk: 512,
+        max_wait: Duration::from_secs(2),
+    }
+}
+
+fn cand(remaining: usize, done: usize, waited_ms: u64) -> Candidate {
+    Candidate { remaining, done, len: remaining + done, waited: Duration::from_millis(waited_ms) }
+}
+
+#[test]
+fn a_short_prompt_runs_first_beside_the_documents_chunk_within_the_budget() {
+    let cost = CostModel::default();
+    let cands = [cand(1500, 548, 10), cand(20, 0, 0)];
+    let step = plan(&cands, &cfg(), &cost);
+    assert_eq!(step[0], (1, 20), "the short prompt first, whole");
+    assert!(step.len() == 2 && step[1].0 == 0 && step[1].1 > 0, "the document still advances: {step:?}");
+    let chunks: Vec<_> = step.iter().map(|&(i, t)| (t, cands[i].done)).collect();
+    assert!(cost.predict(&chunks) <= cfg().target + Duration::from_millis(10), "{:?}", cost.predict(&chunks));
+}
+
+#[test]
+fn at_most_one_long_prompt_and_at_most_max_prompts() {
+    let cost = CostModel { per_token_ms: 0.01, per_pair_us: 0.0, ..CostModel::default() };
+    let cands = [cand(2000, 0, 0), cand(3000, 0, 0), cand(10, 0, 0), cand(11, 0, 0), cand(12, 0, 0), cand(13, 0, 0)];
+    let step = plan(&cands, &cfg(), &cost);
+    let ids: Vec<usize> = step.iter().map(|&(i, _)| i).collect();
+    assert_eq!(ids, vec![2, 3, 4, 5], "four short prompts fill the step; no long one fits");
+    let step = plan(&cands[..3], &cfg(), &cost);
+    assert_eq!(step.iter().map(|&(i, _)| i).collect::<Vec<_>>(), vec![2, 0], "one long beside the short");
+}
+
+#[test]
+fn a_starved_prompt_goes_first_and_the_first_always_progresses() {
+    let cost = CostModel { fixed_ms: 1000.0, ..CostModel::default() }; // over budget already
+    let step = plan(&[cand(10, 0, 0), cand(900, 100, 5000)], &cfg(), &cost);
+    assert_eq!(step, vec![(1, 16)], "starved first, min_chunk despite the budget");
+    assert!(plan(&[], &cfg(), &cost).is_empty());
+}
+
+#[test]
+fn single_config_runs_one_prompt_in_fixed_chunks() {
+    let step = plan(&[cand(600, 0, 0), cand(5, 0, 0)], &StepConfig::single(256), &CostModel::default());
+    assert_eq!(step, vec![(1, 5)]);
+    let step = plan(&[cand(600, 0, 0)], &StepConfig::single(256), &CostModel::default());
+    assert_eq!(step, vec![(0, 256)]);
+}
+
+#[test]
+fn the_cost_model_learns_a_slower_machine() {
+    let mut cost = CostModel::default();
+    let chunks = [(64, 0)];
+    let predicted = cost.predict(&chunks);
+    for _ in 0..30 {
+        cost.observe(&chunks, predicted * 2);
+    }
+    let learned = cost.predict(&chunks).as_secs_f64() / predicted.as_secs_f64();
+    assert!((learned - 2.0).abs() < 0.05, "{learned}");
+}

@@ -1,0 +1,296 @@
+//! The prefill step loop: one thread owns the engine's prefill steps. Requests hand it whole
+//! prompts; every step it plans (`step::plan`) which prompts run and how many tokens each,
+//! takes blocks for prompts starting now (a prompt waiting for blocks holds none), runs them
+//! together in one forward, and tells each request what happened: `Started` (its blocks),
+//! `Chunk` after each of its steps, `Layer(l)` during its last step as soon as layer `l`
+//! holds its whole prompt (so the pipeline ships it while later layers compute), then
+//! `Done` with the logits and its KV. A request whose receiver is gone (cancelled) is dropped
+//! before the next step and its blocks are freed. The measured step times correct the cost
+//! model and give the worker's tokens/s for the router.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc as std_mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use candle_core::Tensor;
+use pd_engine::{BatchSeq, Engine, EngineError, SequenceKv};
+use tokio::sync::mpsc;
+
+use crate::step::{plan, Candidate, CostModel, StepConfig};
+
+/// What the loop tells one request.
+#[derive(Debug)]
+pub enum StepEvent {
+    Started { blocks: Vec<u32>, at: SystemTime },
+    Chunk { tokens: usize, at: SystemTime },
+    Layer(usize, Instant),
+    Done(Box<Finished>),
+    Failed(EngineError),
+}
+
+/// A prompt's prefill, finished.
+#[derive(Debug)]
+pub struct Finished {
+    /// `[vocab]` logits after the last prompt token.
+    pub logits: Tensor,
+    pub kv: SequenceKv,
+    /// Time of the steps this prompt was in.
+    pub compute_time: Duration,
+    pub ended: Instant,
+    pub ended_wall: SystemTime,
+}
+
+struct Submitted {
+    prompt: Vec<u32>,
+    events: mpsc::UnboundedSender<StepEvent>,
+    arrived: Instant,
+}
+
+/// A prompt in the loop.
+struct Active {
+    prompt: Vec<u32>,
+    done: usize,
+    kv: Option<SequenceKv>,
+    events: mpsc::UnboundedSender<StepEvent>,
+    since: Instant,
+    compute: Duration,
+}
+
+/// Handle to the loop; the loop ends when every handle is dropped.
+#[derive(Debug, Clone)]
+pub struct Steps {
+    submit: std_mpsc::Sender<Submitted>,
+    config: StepConfig,
+    /// Tokens/s over recent busy time, as f64 bits (0 until measured).
+    rate: Arc<AtomicU64>,
+}
+
+impl Steps {
+    pub fn start(engine: Arc<Engine>, config: StepConfig) -> std::io::Result<Self> {
+        let (submit, rx) = std_mpsc::channel();
+        let rate = Arc::new(AtomicU64::new(0));
+        let state = Loop {
+            engine,
+            config,
+            cost: CostModel::default(),
+            active: Vec::new(),
+            rate: rate.clone(),
+            meter: Meter::default(),
+        };
+        std::thread::Builder::new().name("pd-prefill-steps".into()).spawn(move || state.run(rx))?;
+        Ok(Steps { submit, config, rate })
+    }
+
+    pub fn config(&self) -> StepConfig {
+        self.config
+    }
+
+    /// Prompt tokens computed per second of busy time, recently (0 before any step).
+    pub fn tokens_per_s(&self) -> f64 {
+        f64::from_bits(self.rate.load(Ordering::Relaxed))
+    }
+
+    /// Queues `prompt`; its events arrive on the returned receiver (drop it to cancel).
+    pub fn submit(&self, prompt: Vec<u32>) -> Result<mpsc::UnboundedReceiver<StepEvent>, EngineError> {
+        let (events, rx) = mpsc::unbounded_channel();
+        self.submit
+            .send(Submitted { prompt, events, arrived: Instant::now() })
+            .map_err(|_| EngineError::InvalidBatch("the prefill step loop stopped".into()))?;
+        Ok(rx)
+    }
+}
+
+/// Tokens and busy time over a sliding window of steps.
+#[derive(Debug, Default)]
+struct Meter {
+    steps: std::collections::VecDeque<(usize, Duration)>,
+}
+
+impl Meter {
+    fn add(&mut self, tokens: usize, took: Duration) -> f64 {
+        self.steps.push_back((tokens, took));
+        while self.steps.len() > 32 {
+            self.steps.pop_front();
+        }
+        let (t, d) = self.steps.iter().fold((0, Duration::ZERO), |(t, d), (a, b)| (t + a, d + *b));
+        t as f64 / d.as_secs_f64().max(1e-6)
+    }
+}
+
+struct Loop {
+    engine: Arc<Engine>,
+    config: StepConfig,
+    cost: CostModel,
+    active: Vec<Active>,
+    rate: Arc<AtomicU64>,
+    meter: Meter,
+}
+
+impl Loop {
+    fn run(mut self, rx: std_mpsc::Receiver<Submitted>) {
+        loop {
+            // Idle: block for work; busy: take what arrived since the last step.
+            if self.active.is_empty() {
+                match rx.recv() {
+                    Ok(s) => self.accept(s),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(s) = rx.try_recv() {
+                self.accept(s);
+            }
+            self.active.retain(|a| !a.events.is_closed());
+            if !self.step() {
+                // Nothing could run (waiting for blocks): let running transfers free some.
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+    }
+
+    fn accept(&mut self, s: Submitted) {
+        let a =
+            Active { prompt: s.prompt, done: 0, kv: None, events: s.events, since: s.arrived, compute: Duration::ZERO };
+        self.active.push(a);
+    }
+
+    /// Plans and runs one step; false when nothing ran.
+    fn step(&mut self) -> bool {
+        let cands: Vec<Candidate> = self
+            .active
+            .iter()
+            .map(|a| Candidate {
+                remaining: a.prompt.len() - a.done,
+                done: a.done,
+                len: a.prompt.len(),
+                waited: a.since.elapsed(),
+            })
+            .collect();
+        let mut planned = plan(&cands, &self.config, &self.cost);
+        planned.retain(|&(i, _)| self.take_blocks(i));
+        if planned.is_empty() {
+            return false;
+        }
+        let chunks: Vec<(usize, usize)> = planned.iter().map(|&(i, t)| (t, self.active[i].done)).collect();
+        let started = Instant::now();
+        let outcome = self.forward(&planned);
+        let took = started.elapsed();
+        self.cost.observe(&chunks, took);
+        let tokens = chunks.iter().map(|c| c.0).sum();
+        self.rate.store(self.meter.add(tokens, took).to_bits(), Ordering::Relaxed);
+        self.deliver(&planned, outcome, took);
+        true
+    }
+
+    /// Gives candidate `i` its blocks at its first step; false (it waits) when none are free.
+    fn take_blocks(&mut self, i: usize) -> bool {
+        let a = &mut self.active[i];
+        if a.kv.is_some() {
+            return true;
+        }
+        match self.engine.sequence_with_capacity(a.prompt.len()) {
+            Ok(kv) => {
+                let blocks = kv.blocks().ids().to_vec();
+                let _ = a.events.send(StepEvent::Started { blocks, at: SystemTime::now() });
+                a.kv = Some(kv);
+                true
+            }
+            Err(EngineError::OutOfBlocks { .. })
+                if self.engine.blocks().blocks_for(a.prompt.len()) <= self.engine.blocks().total_blocks() =>
+            {
+                false
+            }
+            Err(e) => {
+                let _ = a.events.send(StepEvent::Failed(e));
+                false // its receiver ends the request; dropped before the next step
+            }
+        }
+    }
+
+    /// One forward over the planned chunks; the layer events of prompts finishing in it.
+    fn forward(&mut self, planned: &[(usize, usize)]) -> Result<Tensor, EngineError> {
+        let finishing: Vec<usize> = planned
+            .iter()
+            .filter(|&&(i, t)| self.active[i].done + t == self.active[i].prompt.len())
+            .map(|&(i, _)| i)
+            .collect();
+        let notify: Vec<mpsc::UnboundedSender<StepEvent>> =
+            finishing.iter().map(|&i| self.active[i].events.clone()).collect();
+        let mut kvs: Vec<(usize, usize, SequenceKv)> =
+            planned.iter().filter_map(|&(i, t)| self.active[i].kv.take().map(|kv| (i, t, kv))).collect();
+        let result = {
+            let active = &self.active;
+            let mut batch: Vec<BatchSeq<'_>> = kvs
+                .iter_mut()
+                .map(|(i, t, kv)| {
+                    let a = &active[*i];
+                    BatchSeq { tokens: &a.prompt[a.done..a.done + *t], kv, want_logits: a.done + *t == a.prompt.len() }
+                })
+                .collect();
+            let mut layer_done = |layer: usize| {
+                let at = Instant::now();
+                for tx in &notify {
+                    let _ = tx.send(StepEvent::Layer(layer, at));
+                }
+            };
+            if notify.is_empty() {
+                self.engine.forward(&mut batch)
+            } else {
+                self.engine.model().forward_observed(self.engine.cache(), &mut batch, &mut layer_done)
+            }
+        };
+        for (i, _, kv) in kvs {
+            self.active[i].kv = Some(kv);
+        }
+        result
+    }
+
+    /// Advances the planned prompts and tells each what happened; finished and failed ones
+    /// leave the loop.
+    fn deliver(&mut self, planned: &[(usize, usize)], outcome: Result<Tensor, EngineError>, took: Duration) {
+        let now = (Instant::now(), SystemTime::now());
+        let mut remove = Vec::new();
+        let mut row = 0;
+        for &(i, t) in planned {
+            let a = &mut self.active[i];
+            let finished = a.done + t == a.prompt.len();
+            let logits = match &outcome {
+                Err(e) => {
+                    let _ = a
+                        .events
+                        .send(StepEvent::Failed(EngineError::InvalidBatch(format!("prefill step failed: {e}"))));
+                    remove.push(i);
+                    continue;
+                }
+                Ok(l) if finished => {
+                    row += 1;
+                    Some(l.get(row - 1))
+                }
+                Ok(_) => None,
+            };
+            a.done += t;
+            a.compute += took;
+            a.since = now.0;
+            let _ = a.events.send(StepEvent::Chunk { tokens: t, at: now.1 });
+            let Some(logits) = logits else { continue };
+            if let Some(kv) = a.kv.take() {
+                let event = match logits {
+                    Ok(logits) => StepEvent::Done(Box::new(Finished {
+                        logits,
+                        kv,
+                        compute_time: a.compute,
+                        ended: now.0,
+                        ended_wall: now.1,
+                    })),
+                    Err(e) => StepEvent::Failed(EngineError::from(e)),
+                };
+                let _ = a.events.send(event);
+                remove.push(i);
+            }
+        }
+        remove.sort_unstable();
+        for i in remove.into_iter().rev() {
+            self.active.swap_remove(i);
+        }
+    }
+}

@@ -1,0 +1,218 @@
+//! The router's view of every worker: what each reported at the last periodic refresh (one
+//! concurrent round of `Load` calls per interval, not per request), corrected by what this
+//! router dispatched since (KV blocks granted but not yet reserved, prompts in flight), so a
+//! choice among hundreds of workers is a scan of memory.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use pd_proto::v1 as pb;
+
+/// A decode worker as last seen.
+#[derive(Debug, Clone)]
+pub struct DecodeState {
+    pub addr: String,
+    pub load: pb::DecodeLoad,
+    /// Blocks of grants whose reservation the worker has not confirmed yet.
+    pub pending_blocks: u32,
+    /// Requests this router has on the worker (granted and not finished).
+    pub ours: u32,
+}
+
+impl DecodeState {
+    pub fn new(addr: String, load: pb::DecodeLoad) -> Self {
+        DecodeState { addr, load, pending_blocks: 0, ours: 0 }
+    }
+
+    pub fn free_blocks(&self) -> u32 {
+        self.load.free_blocks.saturating_sub(self.pending_blocks)
+    }
+
+    /// Blocks a sequence of `tokens` tokens needs.
+    pub fn blocks_for(&self, tokens: usize) -> u32 {
+        let size = self.load.block_size.max(1) as usize;
+        tokens.div_ceil(size) as u32
+    }
+
+    pub fn free_fraction(&self) -> f64 {
+        f64::from(self.free_blocks()) / f64::from(self.load.total_blocks.max(1))
+    }
+
+    fn busy(&self) -> u32 {
+        (self.load.running_sequences + self.load.waiting_transfers).max(self.ours)
+    }
+
+    /// True when a sequence needing `blocks` fits now.
+    pub fn has_room(&self, blocks: u32) -> bool {
+        let max_batch = if self.load.max_batch == 0 { u32::MAX } else { self.load.max_batch };
+        self.free_blocks() >= blocks && self.busy() < max_batch
+    }
+}
+
+/// A prefill worker as last seen.
+#[derive(Debug, Clone)]
+pub struct PrefillState {
+    pub addr: String,
+    pub load: pb::PrefillLoad,
+    /// This router's prompts on the worker: (ticket id, tokens).
+    pub in_flight: Vec<(u64, usize)>,
+}
+
+impl PrefillState {
+    pub fn new(addr: String, load: pb::PrefillLoad) -> Self {
+        PrefillState { addr, load, in_flight: Vec::new() }
+    }
+
+    /// Prompts the worker runs together in one step.
+    pub fn slots(&self) -> usize {
+        self.load.max_partial_prefills.max(1) as usize
+    }
+
+    pub fn busy(&self) -> usize {
+        self.in_flight.len().max((self.load.running_prefills + self.load.queued_prefills) as usize)
+    }
+
+    /// Free slots for a request of a class that is not the top priority keep one slot free
+    /// for the top one (batch work never fills a worker).
+    pub fn has_room(&self, top_priority: bool) -> bool {
+        let slots = if top_priority { self.slots() } else { self.slots().saturating_sub(1).max(1) };
+        self.busy() < slots
+    }
+
+    /// Measured tokens per second, or `prior` before the worker measured any.
+    pub fn rate(&self, prior: f64) -> f64 {
+        if self.load.prefill_tokens_per_s > 0.0 {
+            self.load.prefill_tokens_per_s
+        } else {
+            prior
+        }
+    }
+
+    /// Prompt sizes in flight (ours, or the worker's own count when another router sent more).
+    pub fn in_flight_tokens(&self) -> Vec<usize> {
+        let ours: usize = self.in_flight.iter().map(|(_, t)| t).sum();
+        if (self.load.waiting_prefill_tokens as usize) > ours {
+            let mut v: Vec<usize> = self.in_flight.iter().map(|(_, t)| *t).collect();
+            v.push(self.load.waiting_prefill_tokens as usize - ours);
+            v
+        } else {
+            self.in_flight.iter().map(|(_, t)| *t).collect()
+        }
+    }
+}
+
+/// Every worker that answered the last refresh.
+#[derive(Debug, Default)]
+pub struct Fleet {
+    pub decode: Vec<DecodeState>,
+    pub prefill: Vec<PrefillState>,
+    /// True after the first refresh.
+    pub refreshed: bool,
+}
+
+impl Fleet {
+    /// Replaces the reported loads, keeping this router's own accounting for workers still
+    /// answering; a worker that did not answer leaves the fleet until it answers again.
+    pub fn apply(&mut self, decode: Vec<(String, pb::DecodeLoad)>, prefill: Vec<(String, pb::PrefillLoad)>) {
+        let mut old_d: HashMap<String, DecodeState> = self.decode.drain(..).map(|d| (d.addr.clone(), d)).collect();
+        self.decode = decode
+            .into_iter()
+            .map(|(addr, load)| match old_d.remove(&addr) {
+                Some(d) => DecodeState { load, ..d },
+                None => DecodeState::new(addr, load),
+            })
+            .collect();
+        let mut old_p: HashMap<String, PrefillState> = self.prefill.drain(..).map(|p| (p.addr.clone(), p)).collect();
+        self.prefill = prefill
+            .into_iter()
+            .map(|(addr, load)| match old_p.remove(&addr) {
+                Some(p) => PrefillState { load, ..p },
+                None => PrefillState::new(addr, load),
+            })
+            .collect();
+        self.refreshed = true;
+    }
+
+    pub fn decode_mut(&mut self, addr: &str) -> Option<&mut DecodeState> {
+        self.decode.iter_mut().find(|d| d.addr == addr)
+    }
+
+    pub fn prefill_mut(&mut self, addr: &str) -> Option<&mut PrefillState> {
+        self.prefill.iter_mut().find(|p| p.addr == addr)
+    }
+
+    /// The decode worker with room for `blocks` and the most free blocks.
+    pub fn best_decode(&self, blocks: u32) -> Option<&DecodeState> {
+        self.decode.iter().filter(|d| d.has_room(blocks)).max_by_key(|d| (d.free_blocks(), std::cmp::Reverse(d.busy())))
+    }
+
+    /// The prefill worker with the shortest estimated wait, among those with a free slot.
+    pub fn best_prefill(
+        &self,
+        top_priority: bool,
+        prior: f64,
+        step_budget: usize,
+    ) -> Option<(&PrefillState, Duration)> {
+        self.prefill
+            .iter()
+            .filter(|p| p.has_room(top_priority))
+            .map(|p| (p, self.wait_of(p, prior, step_budget)))
+            .min_by_key(|(_, w)| *w)
+    }
+
+    /// A worker's estimated wait for a new short prompt: its prompts in flight, each up to
+    /// one step's tokens, at its measured rate.
+    pub fn wait_of(&self, p: &PrefillState, prior: f64, step_budget: usize) -> Duration {
+        let ahead = super::policy::tokens_ahead::<()>(&[], 0, &p.in_flight_tokens(), step_budget);
+        super::policy::estimated_wait(ahead, 0, p.rate(prior))
+    }
+
+    /// The pool's shortest estimated wait (None without a prefill worker) and total rate.
+    pub fn prefill_pool(&self, prior: f64, step_budget: usize) -> (Option<Duration>, f64) {
+        let wait = self.prefill.iter().map(|p| self.wait_of(p, prior, step_budget)).min();
+        let rate = self.prefill.iter().map(|p| p.rate(prior)).sum::<f64>();
+        (wait, if rate > 0.0 { rate } else { prior })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode(free: u32, running: u32, max_batch: u32) -> pb::DecodeLoad {
+        pb::DecodeLoad {
+            free_blocks: free,
+            total_blocks: 100,
+            running_sequences: running,
+            block_size: 16,
+            max_batch,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn grants_count_until_the_worker_reports_them_and_refresh_keeps_our_accounting() {
+        let mut fleet = Fleet::default();
+        fleet.apply(vec![("a".into(), decode(10, 0, 4)), ("b".into(), decode(8, 0, 4))], vec![]);
+        assert_eq!(fleet.best_decode(5).map(|d| d.addr.as_str()), Some("a"));
+        fleet.decode_mut("a").expect("a").pending_blocks = 6;
+        assert_eq!(fleet.best_decode(5).map(|d| d.addr.as_str()), Some("b"));
+        fleet.apply(vec![("a".into(), decode(10, 0, 4))], vec![]);
+        assert_eq!(fleet.decode_mut("a").expect("a").pending_blocks, 6, "kept across refresh");
+        assert!(fleet.best_decode(5).is_none(), "b left the fleet; a has 4 free");
+        fleet.apply(vec![("a".into(), decode(10, 4, 4))], vec![]);
+        fleet.decode_mut("a").expect("a").pending_blocks = 0;
+        assert!(fleet.best_decode(1).is_none(), "a's batch is full");
+    }
+
+    #[test]
+    fn prefill_slots_keep_one_for_the_top_priority_and_wait_uses_the_measured_rate() {
+        let load = pb::PrefillLoad { max_partial_prefills: 2, prefill_tokens_per_s: 500.0, ..Default::default() };
+        let mut fleet = Fleet::default();
+        fleet.apply(vec![], vec![("p".into(), load)]);
+        fleet.prefill_mut("p").expect("p").in_flight.push((1, 2048));
+        assert!(fleet.best_prefill(false, 250.0, 256).is_none(), "batch may not take the last slot");
+        let (p, wait) = fleet.best_prefill(true, 250.0, 256).expect("interactive");
+        assert_eq!((p.addr.as_str(), wait), ("p", Duration::from_millis(512)));
+    }
+}

@@ -1,0 +1,388 @@
+//! The router schedules, workers execute (DESIGN.md, Scheduling). Every request passes
+//! `submit`: it is refused at once (429 + Retry-After) when its class's queue budget is spent
+//! or its estimated wait already exceeds its TTFT SLO, else it waits in the router's queue
+//! (priority, then TTFT deadline) until a decode worker has KV room and, for a prompt that
+//! goes to the prefill pool, a prefill worker has a free slot. The grant names both workers
+//! and where the prompt is prefilled (`policy::place`), and holds a `Ticket` that gives the
+//! capacity back as the request moves on (prefill done, stream ended).
+//!
+//! Worker state comes from `fleet` (a periodic refresh plus this router's own dispatches).
+
+pub mod fleet;
+pub mod policy;
+mod refresh;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use pd_telemetry::metrics::RouterMetrics;
+use tokio::sync::oneshot;
+
+use crate::classes::{Class, Classes};
+use crate::error::RouterError;
+use crate::workers::Pools;
+use fleet::Fleet;
+use policy::{LocalRule, Place, Waiting};
+
+pub use refresh::spawn_refresh;
+
+/// Scheduler settings (router flags).
+#[derive(Debug, Clone)]
+pub struct ScheduleConfig {
+    /// How often every worker's load is read.
+    pub refresh: Duration,
+    /// Queue-aware conditional disaggregation.
+    pub local: LocalRule,
+    /// Prefill tokens/s assumed for a worker that has not measured its own yet.
+    pub prior_tokens_per_s: f64,
+    /// Tokens of one prompt a prefill step runs at most (counted for wait estimates); the
+    /// prefill workers' `--step-tokens`.
+    pub step_budget: usize,
+}
+
+impl Default for ScheduleConfig {
+    fn default() -> Self {
+        ScheduleConfig {
+            refresh: Duration::from_millis(100),
+            local: LocalRule {
+                max_tokens: 0,
+                max_ratio: 4.0,
+                min_prefill_wait: Duration::from_millis(500),
+                min_free_kv: 0.25,
+            },
+            prior_tokens_per_s: 250.0,
+            step_budget: 256,
+        }
+    }
+}
+
+/// What a dispatched request holds: its workers, and the capacity it takes until released.
+#[derive(Debug)]
+pub struct Grant {
+    pub decode: String,
+    /// None: prefilled on the decode worker.
+    pub prefill: Option<String>,
+    pub place: Place,
+    /// Time spent in the router's queue.
+    pub waited: Duration,
+    /// The chosen prefill worker's estimated wait at dispatch (None without a pool).
+    pub prefill_wait: Option<Duration>,
+    pub ticket: Ticket,
+}
+
+type Reply = oneshot::Sender<Grant>;
+
+#[derive(Debug, Default)]
+struct Inner {
+    waiting: Vec<Waiting<Reply>>,
+    /// Queued prompt tokens per class index.
+    queued_tokens: Vec<u64>,
+    fleet: Fleet,
+    seq: u64,
+}
+
+/// The router's queues and view of the workers.
+#[derive(Debug)]
+pub struct Scheduler {
+    inner: Mutex<Inner>,
+    pub classes: Classes,
+    pub config: ScheduleConfig,
+    pub pools: Arc<Pools>,
+    metrics: RouterMetrics,
+}
+
+impl Scheduler {
+    pub fn new(classes: Classes, config: ScheduleConfig, pools: Arc<Pools>, metrics: RouterMetrics) -> Arc<Self> {
+        let inner = Inner { queued_tokens: vec![0; classes.all().len()], ..Inner::default() };
+        Arc::new(Scheduler { inner: Mutex::new(inner), classes, config, pools, metrics })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // Each update keeps the queue and the fleet consistent before any call that could panic.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn top_priority(&self) -> i32 {
+        self.classes.all().iter().map(|c| c.spec.priority).max().unwrap_or(0)
+    }
+
+    /// Admits a request of `class` with `tokens` prompt tokens into the queue, or refuses it.
+    pub fn submit(
+        self: &Arc<Self>,
+        class: &Arc<Class>,
+        tokens: usize,
+        max_tokens: usize,
+    ) -> Result<Pending, RouterError> {
+        let mut inner = self.lock();
+        if inner.fleet.decode.is_empty() {
+            return Err(RouterError::NoWorker("decode"));
+        }
+        let (_, rate) = inner.fleet.prefill_pool(self.config.prior_tokens_per_s, self.config.step_budget);
+        let in_flight: Vec<usize> = inner.fleet.prefill.iter().flat_map(|p| p.in_flight_tokens()).collect();
+        let ahead = policy::tokens_ahead(&inner.waiting, class.spec.priority, &in_flight, self.config.step_budget);
+        let wait = policy::estimated_wait(ahead, tokens, rate);
+        let budget = policy::Budget {
+            queued_tokens: inner.queued_tokens[class.index],
+            max_queued_tokens: class.spec.max_queued_tokens,
+            ttft_slo: class.ttft_slo(),
+        };
+        policy::admit(&class.name, tokens, budget, wait, rate)
+            .map_err(|r| RouterError::Overloaded { message: r.message, retry_after_s: r.retry_after_s })?;
+        let (tx, rx) = oneshot::channel();
+        let now = Instant::now();
+        inner.seq += 1;
+        let seq = inner.seq;
+        inner.waiting.push(Waiting {
+            seq,
+            class: class.index,
+            priority: class.spec.priority,
+            tokens,
+            max_tokens,
+            arrived: now,
+            deadline: now + class.ttft_slo(),
+            expires: now + class.max_queue_age(),
+            reply: tx,
+        });
+        inner.queued_tokens[class.index] += tokens as u64;
+        self.dispatch(&mut inner);
+        Ok(Pending {
+            scheduler: self.clone(),
+            seq,
+            class: class.clone(),
+            rx: Some(rx),
+            expires: now + class.max_queue_age(),
+        })
+    }
+
+    /// Grants waiting requests, best first, while the head fits somewhere.
+    fn dispatch(self: &Arc<Self>, inner: &mut Inner) {
+        let top = self.top_priority();
+        while let Some(i) = policy::next(&inner.waiting) {
+            let Some(grant) = self.place(inner, i, top) else { break };
+            let w = inner.waiting.swap_remove(i);
+            inner.queued_tokens[w.class] -= w.tokens as u64;
+            if let Err(mut grant) = w.reply.send(grant) {
+                grant.ticket.release(&mut inner.fleet); // its client left while it waited
+            }
+        }
+        self.count_queued(inner);
+    }
+
+    fn count_queued(&self, inner: &Inner) {
+        for class in self.classes.all() {
+            let n = inner.waiting.iter().filter(|w| w.class == class.index).count();
+            self.metrics.queued.with_label_values(&[class.name.as_str()]).set(n as f64);
+        }
+    }
+
+    /// Places waiting request `i` if a decode worker has room and its prompt has a place.
+    fn place(self: &Arc<Self>, inner: &mut Inner, i: usize, top: i32) -> Option<Grant> {
+        let w = &inner.waiting[i];
+        let cfg = &self.config;
+        let decode = inner.fleet.best_decode(0)?;
+        let blocks = decode.blocks_for(w.tokens + 1);
+        let decode = inner.fleet.best_decode(blocks)?;
+        let (pool_wait, _) = inner.fleet.prefill_pool(cfg.prior_tokens_per_s, cfg.step_budget);
+        let place = policy::place(&cfg.local, w.tokens, w.max_tokens, pool_wait, decode.free_fraction());
+        let prefill = if place.is_local() {
+            None
+        } else {
+            let (p, wait) = inner.fleet.best_prefill(w.priority >= top, cfg.prior_tokens_per_s, cfg.step_budget)?;
+            Some((p.addr.clone(), wait))
+        };
+        let (decode_addr, seq, tokens, waited) = (decode.addr.clone(), w.seq, w.tokens, w.arrived.elapsed());
+        if let Some(d) = inner.fleet.decode_mut(&decode_addr) {
+            d.pending_blocks += blocks;
+            d.ours += 1;
+        }
+        if let Some((addr, _)) = &prefill {
+            if let Some(p) = inner.fleet.prefill_mut(addr) {
+                p.in_flight.push((seq, tokens));
+            }
+        }
+        let ticket = Ticket {
+            scheduler: Some(self.clone()),
+            seq,
+            decode: decode_addr.clone(),
+            blocks,
+            prefill: prefill.as_ref().map(|(a, _)| a.clone()),
+            decode_opened: false,
+        };
+        Some(Grant {
+            decode: decode_addr,
+            prefill: prefill.as_ref().map(|(a, _)| a.clone()),
+            place,
+            waited,
+            prefill_wait: prefill.map(|(_, w)| w).or(pool_wait),
+            ticket,
+        })
+    }
+
+    /// The prefill worker with the shortest estimated wait, not in `exclude` (for retries;
+    /// no slot is needed: the request already holds one).
+    pub fn retry_prefill_worker(&self, exclude: &[String]) -> Option<String> {
+        let inner = self.lock();
+        let cfg = &self.config;
+        inner
+            .fleet
+            .prefill
+            .iter()
+            .filter(|p| !exclude.contains(&p.addr))
+            .min_by_key(|p| inner.fleet.wait_of(p, cfg.prior_tokens_per_s, cfg.step_budget))
+            .map(|p| p.addr.clone())
+    }
+
+    /// True when a decode worker answers, and a prefill worker too if a pool is configured.
+    pub fn ready(&self) -> bool {
+        let inner = self.lock();
+        !inner.fleet.decode.is_empty() && (self.pools.prefill.specs_empty() || !inner.fleet.prefill.is_empty())
+    }
+
+    /// Takes a refresh's loads and dispatches what now fits; with no decode worker left,
+    /// every waiting request fails with 503 instead of waiting for its queue age.
+    fn refreshed(
+        self: &Arc<Self>,
+        decode: Vec<(String, pd_proto::v1::DecodeLoad)>,
+        prefill: Vec<(String, pd_proto::v1::PrefillLoad)>,
+    ) {
+        let mut inner = self.lock();
+        inner.fleet.apply(decode, prefill);
+        if inner.fleet.decode.is_empty() {
+            for w in inner.waiting.drain(..) {
+                drop(w.reply); // the waiter sees its channel closed: no decode worker
+            }
+            inner.queued_tokens.iter_mut().for_each(|t| *t = 0);
+        }
+        self.dispatch(&mut inner);
+    }
+
+    /// Removes a waiting request (its client left, or it expired); true if it was waiting.
+    fn withdraw(&self, seq: u64) -> bool {
+        let mut inner = self.lock();
+        match inner.waiting.iter().position(|w| w.seq == seq) {
+            Some(i) => {
+                let w = inner.waiting.swap_remove(i);
+                inner.queued_tokens[w.class] -= w.tokens as u64;
+                self.count_queued(&inner);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// A request in the queue; dropping it withdraws the request.
+#[derive(Debug)]
+pub struct Pending {
+    scheduler: Arc<Scheduler>,
+    seq: u64,
+    class: Arc<Class>,
+    rx: Option<oneshot::Receiver<Grant>>,
+    expires: Instant,
+}
+
+impl Pending {
+    /// Waits for the grant, up to the class's queue age (then 429).
+    pub async fn granted(mut self) -> Result<Grant, RouterError> {
+        let Some(rx) = self.rx.take() else { return Err(RouterError::NoWorker("decode")) };
+        let outcome = tokio::time::timeout_at(self.expires.into(), rx).await;
+        let waited = self.class.max_queue_age();
+        match outcome {
+            Ok(Ok(grant)) => {
+                self.scheduler
+                    .metrics
+                    .queue_time
+                    .with_label_values(&[self.class.name.as_str()])
+                    .observe(grant.waited.as_secs_f64());
+                Ok(grant)
+            }
+            Ok(Err(_)) => Err(RouterError::NoWorker("decode")),
+            Err(_) => {
+                self.scheduler.withdraw(self.seq);
+                Err(RouterError::Overloaded {
+                    message: format!(
+                        "waited {} ms in the queue of class `{}` (max_queue_age_ms) without a free worker",
+                        waited.as_millis(),
+                        self.class.name
+                    ),
+                    retry_after_s: policy::retry_after(waited / 2),
+                })
+            }
+        }
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if self.rx.is_some() {
+            self.scheduler.withdraw(self.seq);
+        }
+    }
+}
+
+/// Capacity a dispatched request holds; given back in parts, and all of it when dropped.
+#[derive(Debug)]
+pub struct Ticket {
+    scheduler: Option<Arc<Scheduler>>,
+    seq: u64,
+    decode: String,
+    blocks: u32,
+    prefill: Option<String>,
+    decode_opened: bool,
+}
+
+impl Ticket {
+    /// The decode worker reserved the KV: its own free-block count now includes it.
+    pub fn decode_opened(&mut self) {
+        if let Some(s) = self.scheduler.clone() {
+            let mut inner = s.lock();
+            self.open_locked(&mut inner.fleet);
+        }
+    }
+
+    fn open_locked(&mut self, fleet: &mut Fleet) {
+        if !self.decode_opened {
+            self.decode_opened = true;
+            if let Some(d) = fleet.decode_mut(&self.decode) {
+                d.pending_blocks = d.pending_blocks.saturating_sub(self.blocks);
+            }
+        }
+    }
+
+    /// The prompt is prefilled (or its prefill failed): its prefill slot is free.
+    pub fn prefill_done(&mut self) {
+        if let Some(s) = self.scheduler.clone() {
+            let mut inner = s.lock();
+            self.prefill_locked(&mut inner.fleet);
+            s.dispatch(&mut inner);
+        }
+    }
+
+    fn prefill_locked(&mut self, fleet: &mut Fleet) {
+        if let Some(addr) = self.prefill.take() {
+            if let Some(p) = fleet.prefill_mut(&addr) {
+                p.in_flight.retain(|(seq, _)| *seq != self.seq);
+            }
+        }
+    }
+
+    /// Gives everything back (caller holds the lock).
+    fn release(&mut self, fleet: &mut Fleet) {
+        self.open_locked(fleet);
+        self.prefill_locked(fleet);
+        if let Some(d) = fleet.decode_mut(&self.decode) {
+            d.ours = d.ours.saturating_sub(1);
+        }
+        self.scheduler = None;
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if let Some(s) = self.scheduler.clone() {
+            let mut inner = s.lock();
+            self.release(&mut inner.fleet);
+            s.dispatch(&mut inner);
+        }
+    }
+}

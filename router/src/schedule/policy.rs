@@ -1,0 +1,164 @@
+//! The scheduling policies as plain functions over plain data (no clocks read, no I/O), so
+//! each is unit-tested: queue order, admission (class budget, estimated wait against the TTFT
+//! SLO, Retry-After from the drain rate), and where a prompt is prefilled (queue-aware
+//! conditional disaggregation).
+
+use std::time::{Duration, Instant};
+
+/// A request waiting in the router's queues.
+#[derive(Debug)]
+pub struct Waiting<T> {
+    /// Arrival order (ties).
+    pub seq: u64,
+    /// Index of its class.
+    pub class: usize,
+    pub priority: i32,
+    pub tokens: usize,
+    pub max_tokens: usize,
+    pub arrived: Instant,
+    /// Arrival + the class's TTFT SLO.
+    pub deadline: Instant,
+    /// Arrival + the class's longest queue age: refused after it.
+    pub expires: Instant,
+    /// Where the grant goes.
+    pub reply: T,
+}
+
+/// The index of the request to dispatch next: highest priority, then earliest TTFT deadline,
+/// then arrival order.
+pub fn next<T>(waiting: &[Waiting<T>]) -> Option<usize> {
+    waiting.iter().enumerate().min_by_key(|(_, w)| (std::cmp::Reverse(w.priority), w.deadline, w.seq)).map(|(i, _)| i)
+}
+
+/// Prompt tokens that run before a new request of `priority`: those waiting at the same or a
+/// higher priority, and what the prefill pool holds (each prompt in flight counted up to one
+/// step's budget: under request-parallel prefill a long prompt runs beside new ones, it does
+/// not run before them).
+pub fn tokens_ahead<T>(waiting: &[Waiting<T>], priority: i32, in_flight: &[usize], step_budget: usize) -> u64 {
+    let queued: u64 = waiting.iter().filter(|w| w.priority >= priority).map(|w| w.tokens as u64).sum();
+    let running: u64 = in_flight.iter().map(|&t| t.min(step_budget.max(1)) as u64).sum();
+    queued + running
+}
+
+/// How long `tokens_ahead` (plus the request's own prompt) take at `tokens_per_s`.
+pub fn estimated_wait(tokens_ahead: u64, own_tokens: usize, tokens_per_s: f64) -> Duration {
+    let seconds = (tokens_ahead + own_tokens as u64) as f64 / tokens_per_s.max(1.0);
+    Duration::from_secs_f64(seconds.min(86_400.0))
+}
+
+/// Retry-After in whole seconds: the time for the queue to drain by `excess`, at least 1.
+pub fn retry_after(excess: Duration) -> u64 {
+    excess.as_secs_f64().ceil().max(1.0) as u64
+}
+
+/// What a class allows a new request, before it queues.
+#[derive(Debug, Clone, Copy)]
+pub struct Budget {
+    pub queued_tokens: u64,
+    pub max_queued_tokens: u64,
+    pub ttft_slo: Duration,
+}
+
+/// A refusal: its message and Retry-After seconds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Refusal {
+    pub message: String,
+    pub retry_after_s: u64,
+}
+
+/// Admits a request of `tokens` prompt tokens of class `class` with budget `b` and an
+/// estimated wait `wait` at drain rate `tokens_per_s`, or says why not.
+pub fn admit(class: &str, tokens: usize, b: Budget, wait: Duration, tokens_per_s: f64) -> Result<(), Refusal> {
+    let after = b.queued_tokens + tokens as u64;
+    if after > b.max_queued_tokens {
+        // Retry when the class's queue has drained by the excess.
+        let excess = Duration::from_secs_f64((after - b.max_queued_tokens) as f64 / tokens_per_s.max(1.0));
+        return Err(Refusal {
+            message: format!(
+                "class `{class}` has {} prompt tokens queued; {tokens} more would pass its max_queued_tokens of {}",
+                b.queued_tokens, b.max_queued_tokens
+            ),
+            retry_after_s: retry_after(excess),
+        });
+    }
+    if wait > b.ttft_slo {
+        return Err(Refusal {
+            message: format!(
+                "estimated wait {} ms exceeds class `{class}`'s TTFT SLO of {} ms",
+                wait.as_millis(),
+                b.ttft_slo.as_millis()
+            ),
+            retry_after_s: retry_after(wait - b.ttft_slo),
+        });
+    }
+    Ok(())
+}
+
+/// Thresholds of queue-aware conditional disaggregation.
+#[derive(Debug, Clone, Copy)]
+pub struct LocalRule {
+    /// A prompt longer than this always goes to the prefill pool (0: never local).
+    pub max_tokens: usize,
+    /// ... and so does one whose prompt is more than `max_ratio` times its output limit (a
+    /// short answer to a long prompt gains little from staying on the decode worker).
+    pub max_ratio: f64,
+    /// Local only while the prefill pool's estimated wait is at least this (0: always).
+    pub min_prefill_wait: Duration,
+    /// Local only while the decode worker keeps this fraction of its KV blocks free.
+    pub min_free_kv: f64,
+}
+
+/// Where one prompt is prefilled, and why (the `reason` label and span attribute).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    Local(&'static str),
+    Remote(&'static str),
+}
+
+impl Place {
+    pub fn is_local(self) -> bool {
+        matches!(self, Place::Local(_))
+    }
+
+    pub fn reason(self) -> &'static str {
+        match self {
+            Place::Local(r) | Place::Remote(r) => r,
+        }
+    }
+
+    pub fn where_label(self) -> &'static str {
+        if self.is_local() {
+            "local"
+        } else {
+            "remote"
+        }
+    }
+}
+
+/// The conditional rule: local only when the prompt is short (absolute and ratio), the
+/// prefill pool is busy, and the decode worker has KV headroom.
+pub fn place(
+    rule: &LocalRule,
+    tokens: usize,
+    max_tokens: usize,
+    prefill_wait: Option<Duration>,
+    free_kv: f64,
+) -> Place {
+    let Some(wait) = prefill_wait else { return Place::Local("no_prefill_worker") };
+    if tokens > rule.max_tokens {
+        return Place::Remote("long_prompt");
+    }
+    if tokens as f64 > rule.max_ratio * max_tokens.max(1) as f64 {
+        return Place::Remote("prompt_output_ratio");
+    }
+    if wait < rule.min_prefill_wait {
+        return Place::Remote("prefill_pool_free");
+    }
+    if free_kv < rule.min_free_kv {
+        return Place::Remote("decode_kv_low");
+    }
+    Place::Local("short_prompt_prefill_busy")
+}
+
+#[cfg(test)]
+mod tests;

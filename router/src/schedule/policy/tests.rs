@@ -1,0 +1,70 @@
+use super::*;
+
+fn waiting(seq: u64, priority: i32, deadline_ms: u64, tokens: usize) -> Waiting<()> {
+    let t0 = Instant::now();
+    Waiting {
+        seq,
+        class: 0,
+        priority,
+        tokens,
+        max_tokens: 16,
+        arrived: t0,
+        deadline: t0 + Duration::from_millis(deadline_ms),
+        expires: t0 + Duration::from_secs(10),
+        reply: (),
+    }
+}
+
+#[test]
+fn higher_priority_first_then_earliest_deadline_then_arrival() {
+    let q = vec![waiting(0, 0, 10, 5), waiting(1, 10, 900, 5), waiting(2, 10, 500, 5), waiting(3, 10, 500, 5)];
+    assert_eq!(next(&q), Some(2));
+    let q = vec![waiting(0, 0, 10, 5)];
+    assert_eq!(next(&q), Some(0));
+    assert_eq!(next::<()>(&[]), None);
+}
+
+#[test]
+fn tokens_ahead_skip_lower_priorities_and_cap_running_prompts_at_a_step() {
+    let q = vec![waiting(0, 0, 10, 2000), waiting(1, 10, 10, 50), waiting(2, 20, 10, 30)];
+    // An interactive (10) request waits for the 50 + 30 queued at >= 10, and for at most one
+    // step of each prompt in flight (a 2,048-token document counts 256).
+    assert_eq!(tokens_ahead(&q, 10, &[2048, 40], 256), 80 + 256 + 40);
+    assert_eq!(tokens_ahead(&q, 0, &[], 256), 2080);
+}
+
+#[test]
+fn admission_checks_the_class_budget_then_the_slo() {
+    let b = Budget { queued_tokens: 900, max_queued_tokens: 1000, ttft_slo: Duration::from_millis(1500) };
+    assert_eq!(admit("interactive", 100, b, Duration::from_millis(100), 250.0), Ok(()));
+    let full = admit("interactive", 350, b, Duration::from_millis(100), 250.0).expect_err("budget");
+    assert!(full.message.contains("max_queued_tokens"), "{}", full.message);
+    assert_eq!(full.retry_after_s, 1); // 250 tokens over at 250 tok/s
+    let late = admit("interactive", 10, b, Duration::from_millis(4200), 250.0).expect_err("slo");
+    assert!(late.message.contains("TTFT SLO"), "{}", late.message);
+    assert_eq!(late.retry_after_s, 3); // 2.7 s over the SLO, rounded up
+}
+
+#[test]
+fn estimated_wait_and_retry_after() {
+    assert_eq!(estimated_wait(400, 100, 250.0), Duration::from_secs(2));
+    assert_eq!(estimated_wait(0, 0, 0.0), Duration::ZERO);
+    assert_eq!(retry_after(Duration::from_millis(10)), 1);
+    assert_eq!(retry_after(Duration::from_millis(2001)), 3);
+}
+
+#[test]
+fn conditional_disaggregation_is_local_only_when_short_busy_and_roomy() {
+    let rule =
+        LocalRule { max_tokens: 256, max_ratio: 4.0, min_prefill_wait: Duration::from_millis(300), min_free_kv: 0.25 };
+    let busy = Some(Duration::from_millis(800));
+    let idle = Some(Duration::from_millis(50));
+    assert_eq!(place(&rule, 64, 128, busy, 0.9), Place::Local("short_prompt_prefill_busy"));
+    assert_eq!(place(&rule, 64, 128, idle, 0.9), Place::Remote("prefill_pool_free"));
+    assert_eq!(place(&rule, 2048, 128, busy, 0.9), Place::Remote("long_prompt"));
+    assert_eq!(place(&rule, 200, 16, busy, 0.9), Place::Remote("prompt_output_ratio"));
+    assert_eq!(place(&rule, 64, 128, busy, 0.1), Place::Remote("decode_kv_low"));
+    assert_eq!(place(&rule, 5000, 1, None, 0.0), Place::Local("no_prefill_worker"));
+    let never = LocalRule { max_tokens: 0, ..rule };
+    assert_eq!(place(&never, 1, 128, busy, 0.9), Place::Remote("long_prompt"));
+}
