@@ -72,7 +72,7 @@ async fn pd_bench_writes_a_consistent_report() {
     }
     let interactive_buckets = rows.iter().filter(|r| r["class"] == "interactive" && r["input_bucket"] != "all").count();
     assert_eq!(interactive_buckets, 1, "16..64 tokens is one bucket");
-    assert!(rows.iter().any(|r| r["class"] == "rag" && r["input_bucket"] == "129-512"));
+    assert!(rows.iter().any(|r| r["class"] == "batch" && r["input_bucket"] == "129-512"));
     for row in rows {
         for metric in ["ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"] {
             let s = &row[metric];
@@ -96,5 +96,5 @@ async fn pd_bench_writes_a_consistent_report() {
         }
     }
     let md = std::fs::read_to_string(out.path().join("report.md")).expect("markdown");
-    assert_eq!(md.lines().filter(|l| l.starts_with("| interactive") || l.starts_with("| rag")).count(), rows.len());
+    assert_eq!(md.lines().filter(|l| l.starts_with("| interactive") || l.starts_with("| batch")).count(), rows.len());
 }

@@ -1,8 +1,9 @@
 //! Colocated serving and conditional disaggregation, on the real processes: the decode
 //! worker prefills prompts in its own batch (chunked across steps, or whole in one step) and
 //! gives the engine's greedy answer either way; with a prefill pool and
-//! `--local-prefill-max-tokens`, short prompts stay on the decode worker and long ones go to
-//! the prefill worker.
+//! `--local-prefill-max-tokens` (and no minimum prefill wait), short prompts stay on the
+//! decode worker and long ones go to the prefill worker, each decision counted with its
+//! reason in `pd_route_decisions_total`.
 
 use pd_engine::{CacheConfig, ChatMessage, Engine, LoadOptions, SamplingParams};
 use pd_tests::{model_path, Cluster, Options};
@@ -86,7 +87,9 @@ async fn kv_bytes_sent(cluster: &Cluster) -> f64 {
 async fn short_prompts_stay_on_the_decode_worker() {
     let options = Options {
         prefill: 1,
-        router_args: vec!["--local-prefill-max-tokens".into(), "45".into()],
+        router_args: ["--local-prefill-max-tokens", "45", "--local-prefill-min-wait-ms", "0"]
+            .map(String::from)
+            .to_vec(),
         ..Options::default()
     };
     let cluster = Cluster::start_with(options).await;
@@ -98,4 +101,12 @@ async fn short_prompts_stay_on_the_decode_worker() {
     assert!(kv_bytes_sent(&cluster).await > 0.0, "a long prompt goes to the prefill worker");
     let engine = Engine::load(&model_path(), LoadOptions::default(), CacheConfig::with_blocks(64)).expect("engine");
     assert_eq!(answer, engine_answer(&engine, QUESTIONS[2]));
+    // Each decision is counted with its reason.
+    let metrics = reqwest::get(cluster.url("/metrics")).await.expect("metrics").text().await.expect("text");
+    for line in [
+        "pd_route_decisions_total{reason=\"short_prompt_prefill_busy\",where=\"local\"} 1",
+        "pd_route_decisions_total{reason=\"long_prompt\",where=\"remote\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} in\n{metrics}");
+    }
 }

@@ -1,6 +1,7 @@
-//! The prefill worker shares its engine chunk by chunk, shortest remaining prompt first: a
-//! short prompt that arrives while a long document is being prefilled is answered before
-//! the document, instead of waiting behind all of it.
+//! Request-parallel prefill on the real processes: a short prompt that arrives while a long
+//! document is being prefilled runs in the next step beside the document's chunk, so it is
+//! answered about as fast as on a quiet cluster (within a few steps), long before the
+//! document; prompts that do not fit the prefill worker's blocks wait instead of failing.
 
 use std::time::{Duration, Instant};
 
@@ -12,17 +13,32 @@ async fn metric(addr: &str, name: &str) -> f64 {
     text.lines().find_map(|l| l.strip_prefix(&format!("{name} ")).and_then(|v| v.parse().ok())).unwrap_or(0.0)
 }
 
+/// Response time of a short completion (2 tokens).
+async fn short_request(url: &str) -> Duration {
+    let body = json!({ "model": "SmolLM2-135M-Instruct", "prompt": "Hello, my name is", "max_tokens": 2 });
+    let asked = Instant::now();
+    let r = reqwest::Client::new().post(url).json(&body).send().await.expect("short request");
+    assert_eq!(r.status().as_u16(), 200);
+    asked.elapsed()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_short_prompt_overtakes_a_long_prefill() {
-    let options = Options { prefill: 1, prefill_args: vec!["--chunk".into(), "256".into()], ..Options::default() };
-    let cluster = Cluster::start_with(options).await;
+async fn a_short_prompt_during_a_document_prefill_is_answered_within_a_few_steps_of_quiet() {
+    const STEP_MS: u64 = 100;
+    let prefill_args = vec!["--step-target-ms".into(), STEP_MS.to_string()];
+    let cluster = Cluster::start_with(Options { prefill: 1, prefill_args, ..Options::default() }).await;
     let url = cluster.url("/v1/completions");
+    let mut quiet = Duration::ZERO;
+    for _ in 0..3 {
+        quiet = quiet.max(short_request(&url).await);
+    }
     let document = "The lighthouse keeper wrote in his log every night. ".repeat(150);
     let long = tokio::spawn({
         let url = url.clone();
         async move {
             let body = json!({ "model": "SmolLM2-135M-Instruct", "prompt": document, "max_tokens": 2 });
-            let r = reqwest::Client::new().post(&url).json(&body).send().await.expect("long request");
+            let r =
+                reqwest::Client::new().post(&url).header("x-pd-class", "batch").json(&body).send().await.expect("long");
             (r.status().as_u16(), Instant::now())
         }
     });
@@ -33,11 +49,13 @@ async fn a_short_prompt_overtakes_a_long_prefill() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await; // well into the document
-    let body = json!({ "model": "SmolLM2-135M-Instruct", "prompt": "Hello, my name is", "max_tokens": 2 });
-    let short = reqwest::Client::new().post(&url).json(&body).send().await.expect("short request");
-    assert_eq!(short.status().as_u16(), 200);
+    let during = short_request(&url).await;
     let short_done = Instant::now();
     assert!(!long.is_finished(), "the short prompt is answered while the document is still in prefill");
+    // One step to wait for, the short prompt's own steps now shared with the document's
+    // chunk, and noise on a shared machine: a few steps, not the document's seconds.
+    let allowed = quiet + Duration::from_millis(6 * STEP_MS);
+    assert!(during <= allowed, "short request during the document {during:?}, quiet {quiet:?}");
     let (status, long_done) = long.await.expect("task");
     assert_eq!(status, 200, "the document completes too");
     assert!(short_done < long_done);
@@ -45,7 +63,8 @@ async fn a_short_prompt_overtakes_a_long_prefill() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompts_wait_for_prefill_kv_blocks_instead_of_failing() {
-    // 48 blocks of 16 tokens: room for one ~500-token prompt at a time, not two.
+    // 48 blocks of 16 tokens: room for one ~500-token prompt at a time, not two. Sent as
+    // batch work: two at once would already exceed the interactive class's TTFT SLO.
     let options = Options { prefill: 1, prefill_args: vec!["--kv-blocks".into(), "48".into()], ..Options::default() };
     let cluster = Cluster::start_with(options).await;
     let url = cluster.url("/v1/completions");
@@ -55,7 +74,8 @@ async fn prompts_wait_for_prefill_kv_blocks_instead_of_failing() {
             let (url, prompt) = (url.clone(), prompt.clone());
             tokio::spawn(async move {
                 let body = json!({ "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 2 });
-                let r = reqwest::Client::new().post(&url).json(&body).send().await.expect("request");
+                let client = reqwest::Client::new();
+                let r = client.post(&url).header("x-pd-class", "batch").json(&body).send().await.expect("request");
                 let status = r.status().as_u16();
                 (status, r.text().await.unwrap_or_default())
             })

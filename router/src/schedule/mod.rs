@@ -119,8 +119,9 @@ impl Scheduler {
         }
         let (_, rate) = inner.fleet.prefill_pool(self.config.prior_tokens_per_s, self.config.step_budget);
         let in_flight: Vec<usize> = inner.fleet.prefill.iter().flat_map(|p| p.in_flight_tokens()).collect();
-        let ahead = policy::tokens_ahead(&inner.waiting, class.spec.priority, &in_flight, self.config.step_budget);
-        let wait = policy::estimated_wait(ahead, tokens, rate);
+        let ahead = policy::tokens_ahead(&inner.waiting, class.spec.priority, &in_flight, tokens);
+        // The wait the queue causes (the request's own prefill is not overload).
+        let wait = policy::estimated_wait(ahead, 0, rate);
         let budget = policy::Budget {
             queued_tokens: inner.queued_tokens[class.index],
             max_queued_tokens: class.spec.max_queued_tokens,

@@ -30,13 +30,14 @@ pub fn next<T>(waiting: &[Waiting<T>]) -> Option<usize> {
     waiting.iter().enumerate().min_by_key(|(_, w)| (std::cmp::Reverse(w.priority), w.deadline, w.seq)).map(|(i, _)| i)
 }
 
-/// Prompt tokens that run before a new request of `priority`: those waiting at the same or a
-/// higher priority, and what the prefill pool holds (each prompt in flight counted up to one
-/// step's budget: under request-parallel prefill a long prompt runs beside new ones, it does
-/// not run before them).
-pub fn tokens_ahead<T>(waiting: &[Waiting<T>], priority: i32, in_flight: &[usize], step_budget: usize) -> u64 {
-    let queued: u64 = waiting.iter().filter(|w| w.priority >= priority).map(|w| w.tokens as u64).sum();
-    let running: u64 = in_flight.iter().map(|&t| t.min(step_budget.max(1)) as u64).sum();
+/// Prompt tokens that run before a new request of `priority` with `own` prompt tokens:
+/// those waiting at the same or a higher priority, and what the prefill pool holds. Prefill
+/// steps take prompts shortest remaining first and several at a time, so another prompt
+/// (queued or in flight) delays this one by at most as many tokens as this one has.
+pub fn tokens_ahead<T>(waiting: &[Waiting<T>], priority: i32, in_flight: &[usize], own: usize) -> u64 {
+    let cap = own.max(1);
+    let queued: u64 = waiting.iter().filter(|w| w.priority >= priority).map(|w| w.tokens.min(cap) as u64).sum();
+    let running: u64 = in_flight.iter().map(|&t| t.min(cap) as u64).sum();
     queued + running
 }
 
@@ -84,8 +85,9 @@ pub fn admit(class: &str, tokens: usize, b: Budget, wait: Duration, tokens_per_s
     if wait > b.ttft_slo {
         return Err(Refusal {
             message: format!(
-                "estimated wait {} ms exceeds class `{class}`'s TTFT SLO of {} ms",
+                "estimated wait {} ms ({:.0} prompt tokens ahead at {tokens_per_s:.0} tokens/s) exceeds class `{class}`'s TTFT SLO of {} ms",
                 wait.as_millis(),
+                wait.as_secs_f64() * tokens_per_s,
                 b.ttft_slo.as_millis()
             ),
             retry_after_s: retry_after(wait - b.ttft_slo),

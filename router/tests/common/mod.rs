@@ -133,7 +133,14 @@ impl DecodeWorker for FakeDecode {
     }
 
     async fn load(&self, _: Request<pb::LoadRequest>) -> Result<Response<pb::DecodeLoad>, Status> {
-        Ok(Response::new(pb::DecodeLoad { free_blocks: self.free_blocks, total_blocks: 1024, ..Default::default() }))
+        let load = pb::DecodeLoad {
+            free_blocks: self.free_blocks,
+            total_blocks: 1024,
+            block_size: 16,
+            max_batch: 64,
+            ..Default::default()
+        };
+        Ok(Response::new(load))
     }
 }
 
@@ -145,6 +152,10 @@ pub struct FakePrefill {
     pub fail: Option<tonic::Code>,
     pub waiting_tokens: u64,
     pub requests: Arc<AtomicUsize>,
+    /// Pause before answering (holds the request's prefill slot at the router).
+    pub hold: Duration,
+    /// The `x-pd-class` of every request, in arrival order.
+    pub classes: Arc<Mutex<Vec<String>>>,
 }
 
 impl FakePrefill {
@@ -155,6 +166,8 @@ impl FakePrefill {
             fail: None,
             waiting_tokens: 0,
             requests: Arc::default(),
+            hold: Duration::ZERO,
+            classes: Arc::default(),
         }
     }
 }
@@ -163,6 +176,9 @@ impl FakePrefill {
 impl PrefillWorker for FakePrefill {
     async fn prefill(&self, request: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
         self.requests.fetch_add(1, Ordering::SeqCst);
+        let class = request.metadata().get("x-pd-class").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+        self.classes.lock().expect("classes").push(class);
+        tokio::time::sleep(self.hold).await;
         if let Some(code) = self.fail {
             return Err(Status::new(code, "the prefill worker failed"));
         }
@@ -183,7 +199,13 @@ impl PrefillWorker for FakePrefill {
     }
 
     async fn load(&self, _: Request<pb::LoadRequest>) -> Result<Response<pb::PrefillLoad>, Status> {
-        Ok(Response::new(pb::PrefillLoad { waiting_prefill_tokens: self.waiting_tokens, ..Default::default() }))
+        // One prompt at a time, so the router's queue decides who goes next.
+        let load = pb::PrefillLoad {
+            waiting_prefill_tokens: self.waiting_tokens,
+            max_partial_prefills: 1,
+            ..Default::default()
+        };
+        Ok(Response::new(load))
     }
 }
 
@@ -212,12 +234,21 @@ pub struct Router {
 }
 
 pub async fn start_router(prefill: Vec<String>, decode: Vec<String>) -> Router {
+    start_router_with(prefill, decode, pd_router::classes::Classes::load(None).expect("classes")).await
+}
+
+/// A router with its own traffic classes.
+pub async fn start_router_with(
+    prefill: Vec<String>,
+    decode: Vec<String>,
+    classes: pd_router::classes::Classes,
+) -> Router {
     let config = pd_router::Config {
         model: model_path(),
         model_name: "SmolLM2-135M-Instruct".into(),
         prefill_workers: prefill,
         decode_workers: decode,
-        classes: pd_router::classes::Classes::load(None).expect("classes"),
+        classes,
         schedule: pd_router::schedule::ScheduleConfig::default(),
         limits: pd_router::Limits { max_tokens: 4096, default_completion_tokens: 16, default_chat_tokens: 512 },
         body_limit: 1 << 20,

@@ -25,12 +25,12 @@ fn higher_priority_first_then_earliest_deadline_then_arrival() {
 }
 
 #[test]
-fn tokens_ahead_skip_lower_priorities_and_cap_running_prompts_at_a_step() {
+fn tokens_ahead_skip_lower_priorities_and_count_others_up_to_the_own_prompt() {
     let q = vec![waiting(0, 0, 10, 2000), waiting(1, 10, 10, 50), waiting(2, 20, 10, 30)];
-    // An interactive (10) request waits for the 50 + 30 queued at >= 10, and for at most one
-    // step of each prompt in flight (a 2,048-token document counts 256).
-    assert_eq!(tokens_ahead(&q, 10, &[2048, 40], 256), 80 + 256 + 40);
-    assert_eq!(tokens_ahead(&q, 0, &[], 256), 2080);
+    // A 40-token interactive (10) request waits for the 40 + 30 of those queued at >= 10,
+    // and for at most 40 tokens of each prompt in flight (shortest remaining runs first).
+    assert_eq!(tokens_ahead(&q, 10, &[2048, 20], 40), 70 + 40 + 20);
+    assert_eq!(tokens_ahead(&q, 0, &[], 5000), 2080);
 }
 
 #[test]
