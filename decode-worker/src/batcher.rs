@@ -4,7 +4,7 @@
 //! they finish, fail, or their client goes away. Every step is one forward pass over every
 //! decoding sequence's next token plus the prompt chunks the prefill policy admits.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
 use std::time::Instant;
@@ -23,6 +23,8 @@ pub struct Batcher {
     /// with UNAVAILABLE and its blocks are freed.
     end_all: Arc<AtomicBool>,
     max_batch: usize,
+    /// Smoothed step time in ms, as f64 bits (0 when idle).
+    step_ms: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Batcher {
@@ -43,9 +45,11 @@ impl Batcher {
         let running = Arc::new(AtomicUsize::new(0));
         let end_all = Arc::new(AtomicBool::new(false));
         let state = BatchState::new(policy, max_batch);
-        let loop_state = Loop { engine, state, gauge: running.clone(), end_all: end_all.clone(), metrics };
+        let step_ms = Arc::new(AtomicU64::new(0));
+        let loop_state =
+            Loop { engine, state, gauge: running.clone(), end_all: end_all.clone(), metrics, step_ms: step_ms.clone() };
         std::thread::Builder::new().name("pd-decode-batch".into()).spawn(move || loop_state.run(rx))?;
-        Ok(Batcher { admit, running, end_all, max_batch: max_batch.max(1) })
+        Ok(Batcher { admit, running, end_all, max_batch: max_batch.max(1), step_ms })
     }
 
     /// Ends every running and every later sequence with UNAVAILABLE (shutdown).
@@ -58,6 +62,15 @@ impl Batcher {
     /// Most sequences in one step.
     pub fn max_batch(&self) -> usize {
         self.max_batch
+    }
+
+    /// Recent step time in milliseconds, smoothed (0 while idle).
+    pub fn step_ms(&self) -> f64 {
+        if self.running() == 0 {
+            0.0
+        } else {
+            f64::from_bits(self.step_ms.load(Ordering::Relaxed))
+        }
     }
 
     /// Sequences in the running batch (prompts being prefilled here included).
@@ -78,6 +91,7 @@ struct Loop {
     gauge: Arc<AtomicUsize>,
     end_all: Arc<AtomicBool>,
     metrics: DecodeMetrics,
+    step_ms: Arc<AtomicU64>,
 }
 
 impl Loop {
@@ -115,6 +129,10 @@ impl Loop {
         let inputs = self.state.inputs(&takes);
         let step_started = Instant::now();
         let logits = self.engine.forward(&mut self.state.batch(&inputs));
+        let took = step_started.elapsed().as_secs_f64() * 1e3;
+        let old = f64::from_bits(self.step_ms.load(Ordering::Relaxed));
+        let smoothed = if old == 0.0 { took } else { 0.7 * old + 0.3 * took };
+        self.step_ms.store(smoothed.to_bits(), Ordering::Relaxed);
         match logits {
             Ok(logits) => {
                 self.state.apply_logits(&takes, &logits, step_started, self.engine.tokenizer(), &self.metrics)

@@ -278,6 +278,7 @@ impl DecodeWorker for DecodeService {
             kv_cache_usage: blocks.usage_ratio(),
             block_size: blocks.block_size() as u32,
             max_batch: self.batcher.max_batch() as u32,
+            step_ms: self.batcher.step_ms(),
         }))
     }
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 /// Load gauges of one worker.
 #[derive(Debug, Default)]
 pub struct Gauges {
-    /// Prompt tokens of queued and running prefills.
+    /// Prompt tokens of queued and running prefills not computed yet.
     pub waiting_tokens: AtomicU64,
     /// Prefills waiting for their first turn.
     pub queued: AtomicU32,
@@ -36,6 +36,7 @@ impl Gauges {
 #[derive(Debug)]
 pub struct Counted {
     gauges: Arc<Gauges>,
+    /// Prompt tokens not computed yet.
     tokens: u64,
     ticket: u64,
     running: bool,
@@ -60,6 +61,13 @@ impl Counted {
         self.leave_queue();
         self.gauges.running.fetch_add(1, Ordering::Relaxed);
         self.running = true;
+    }
+
+    /// `tokens` more prompt tokens are computed.
+    pub fn advance(&mut self, tokens: u64) {
+        let n = tokens.min(self.tokens);
+        self.tokens -= n;
+        self.gauges.waiting_tokens.fetch_sub(n, Ordering::Relaxed);
     }
 
     fn leave_queue(&self) {
@@ -94,6 +102,8 @@ mod tests {
         assert!(gauges.oldest_queued_age() >= Duration::from_millis(50));
         a.start_running();
         a.start_running();
+        a.advance(60);
+        assert_eq!(gauges.waiting_tokens.load(Ordering::Relaxed), 47, "computed tokens leave the gauge");
         assert_eq!((gauges.queued.load(Ordering::Relaxed), gauges.running.load(Ordering::Relaxed)), (1, 1));
         assert!(gauges.oldest_queued_age() < Duration::from_millis(50));
         drop(a);

@@ -44,6 +44,10 @@ struct Args {
     /// The first prompt of a step gets at least this many tokens, whatever the budget.
     #[arg(long, default_value_t = 16)]
     min_chunk: usize,
+    /// A prompt of at most --long-prefill-threshold tokens gets at least this many tokens per
+    /// step whatever the budget (0: budget only).
+    #[arg(long, default_value_t = 128)]
+    short_chunk: usize,
     /// KV cache blocks (of 16 tokens) for the prompt in flight.
     #[arg(long, default_value_t = 576)]
     kv_blocks: usize,
@@ -100,6 +104,7 @@ fn config(args: &Args) -> anyhow::Result<pd_prefill::Config> {
             long_threshold: args.long_prefill_threshold,
             target: Duration::from_millis(args.step_target_ms),
             min_chunk: args.min_chunk,
+            short_chunk: args.short_chunk,
             max_chunk: args.chunk,
             max_wait: Duration::from_millis(args.max_wait_ms),
         },

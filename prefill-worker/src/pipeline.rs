@@ -73,12 +73,12 @@ async fn send_layer<T: KvTransfer>(
 
 /// Prefills `job.prompt` on the step loop `steps`, ships every layer as soon as the prompt's
 /// last step computed it, then commits with the first token sampled with `job.sampling`.
-/// `on_start` runs when the prompt's first step takes it (it leaves the queue).
+/// `progress` sees the prompt's `Started` and `Chunk` events (for the load gauges).
 pub async fn prefill_and_send<S: KvSender>(
     job: PrefillJob,
     sender: &S,
     steps: &Steps,
-    on_start: impl FnOnce() + Send,
+    progress: impl FnMut(&StepEvent) + Send,
 ) -> Result<PrefillSent, PrefillError> {
     if job.prompt.is_empty() {
         return Err(PrefillError::Invalid("prompt_tokens is empty".into()));
@@ -90,7 +90,7 @@ pub async fn prefill_and_send<S: KvSender>(
         return Err(PrefillError::Incompatible(pd_kv_transfer::TransferError::Incompatible(message)));
     }
     let mut transfer = sender.start(job.header.clone()).await?;
-    match compute_and_ship(&job, &mut transfer, steps, on_start).await {
+    match compute_and_ship(&job, &mut transfer, steps, progress).await {
         Ok(computed) => sample_and_commit(&job, transfer, computed).await,
         Err(e) => {
             transfer.abort(&e.to_string()).await;
@@ -114,21 +114,16 @@ async fn compute_and_ship<T: KvTransfer>(
     job: &PrefillJob,
     transfer: &mut T,
     steps: &Steps,
-    on_start: impl FnOnce() + Send,
+    mut progress: impl FnMut(&StepEvent) + Send,
 ) -> Result<Computed, PrefillError> {
     let submitted = Instant::now();
-    let mut on_start = Some(on_start);
     let mut events = steps.submit(job.prompt.clone())?;
     let (mut blocks, mut started, mut waited) = (Vec::new(), SystemTime::now(), Duration::ZERO);
     let (mut chunks, mut layers, mut last_layer_at, mut shipping) = (Vec::new(), 0, None, Ok(()));
     while let Some(event) = events.recv().await {
+        progress(&event);
         match event {
-            StepEvent::Started { blocks: b, at } => {
-                (blocks, started, waited) = (b, at, submitted.elapsed());
-                if let Some(f) = on_start.take() {
-                    f();
-                }
-            }
+            StepEvent::Started { blocks: b, at } => (blocks, started, waited) = (b, at, submitted.elapsed()),
             StepEvent::Chunk { tokens, at } => chunks.push((tokens, at)),
             StepEvent::Layer(layer, at) if shipping.is_ok() => {
                 (layers, last_layer_at) = (layers + 1, Some(at));

@@ -27,7 +27,7 @@ use crate::error::PrefillError;
 use crate::gauges::{Counted, Gauges};
 use crate::pipeline::{prefill_and_send, PrefillJob, PrefillSent};
 use crate::step::StepConfig;
-use crate::steps::Steps;
+use crate::steps::{StepEvent, Steps};
 
 /// How the service runs prefills.
 #[derive(Debug, Clone)]
@@ -147,12 +147,16 @@ impl PrefillService {
         let header = checked.target.header(tokens as u32, pd_telemetry::otel::inject_map(spans.send.context()));
         let job =
             PrefillJob { engine: self.engine.clone(), prompt: checked.prompt, header, sampling: checked.sampling };
-        let on_start = || {
+        let progress = |event: &StepEvent| {
             if let Ok(mut c) = counted.lock() {
-                c.start_running();
+                match event {
+                    StepEvent::Started { .. } => c.start_running(),
+                    StepEvent::Chunk { tokens, .. } => c.advance(*tokens as u64),
+                    _ => {}
+                }
             }
         };
-        let sent = prefill_and_send(job, &sender, &self.steps, on_start).await;
+        let sent = prefill_and_send(job, &sender, &self.steps, progress).await;
         if sent.as_ref().is_err_and(PrefillError::breaks_connection) {
             self.forget_sender(&endpoint);
         }

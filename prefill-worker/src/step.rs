@@ -1,6 +1,8 @@
 //! What one prefill step runs (request-parallel prefill): chunks of up to `max_prompts`
 //! prompts in one forward, at most `max_long` of them long, within a token budget that keeps
-//! the step near `target` by a cost model of tokens x context. Prompts are ranked shortest
+//! the step near `target` by a cost model of tokens x context (short prompts always get up
+//! to `short_chunk` tokens, so one arriving during a document is prefilled in about one
+//! step; the budget bounds the document's share). Prompts are ranked shortest
 //! remaining first, except that one waiting longer than `max_wait` since its last chunk goes
 //! first, so a short prompt that arrives during a document is prefilled in the next step
 //! beside the document's chunk, and the document still advances every step.
@@ -22,6 +24,10 @@ pub struct StepConfig {
     pub target: Duration,
     /// The first-ranked prompt gets at least this many tokens (progress under any budget).
     pub min_chunk: usize,
+    /// A prompt that is not long gets at least this many tokens per step whatever the budget
+    /// (an interactive prompt is prefilled in one or two steps; the budget bounds how much of
+    /// a long prompt rides along).
+    pub short_chunk: usize,
     /// Largest chunk of one prompt in one step.
     pub max_chunk: usize,
     /// A prompt that has waited this long since its last chunk goes first.
@@ -37,6 +43,7 @@ impl StepConfig {
             long_threshold: usize::MAX,
             target: Duration::from_secs(3600),
             min_chunk: chunk.max(1),
+            short_chunk: 0,
             max_chunk: chunk.max(1),
             max_wait: Duration::from_secs(3600),
         }
@@ -139,6 +146,9 @@ pub fn plan(cands: &[Candidate], cfg: &StepConfig, cost: &CostModel) -> Vec<(usi
         let mut tokens = cost.tokens_within(c.done, left, max);
         if out.is_empty() {
             tokens = tokens.max(cfg.min_chunk.min(max));
+        }
+        if !is_long {
+            tokens = tokens.max(cfg.short_chunk.min(max));
         }
         if tokens == 0 {
             break;

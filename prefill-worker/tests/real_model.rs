@@ -66,7 +66,7 @@ async fn prefill_transfer_decode_gives_the_uninterrupted_greedy_tokens() {
             // Chunks of 16 tokens: the last chunk ships layers while later layers compute.
             let job = PrefillJob { engine: prefill.clone(), prompt: prompt.clone(), header, sampling: greedy.clone() };
             let steps = Steps::start(prefill.clone(), StepConfig::single(16)).expect("steps");
-            let sent = prefill_and_send(job, &sender, &steps, || {}).await.expect("sent");
+            let sent = prefill_and_send(job, &sender, &steps, |_| {}).await.expect("sent");
             drop(sent.source);
             let committed = outcome.await.expect("outcome").expect("committed");
             assert_eq!(committed.first_token, expected[0]);

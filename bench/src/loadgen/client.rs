@@ -38,6 +38,8 @@ pub async fn send(
         end_ms: None,
         reported_output_tokens: None,
         error: None,
+        status: None,
+        retry_after_s: None,
     };
     let body = json!({
         "model": target.model,
@@ -62,6 +64,10 @@ pub async fn send(
     };
     if !response.status().is_success() {
         let status = response.status();
+        sample.status = Some(status.as_u16());
+        sample.retry_after_s =
+            response.headers().get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok());
+        sample.end_ms = Some(ms(Instant::now()));
         let text = response.text().await.unwrap_or_default();
         sample.error = Some(format!("HTTP {status}: {}", text.chars().take(200).collect::<String>()));
         return sample;

@@ -168,6 +168,8 @@ mod tests {
                 end_ms: None,
                 reported_output_tokens: None,
                 error: None,
+                status: None,
+                retry_after_s: None,
             }],
         }
     }

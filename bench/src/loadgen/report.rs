@@ -58,6 +58,10 @@ impl Report {
         for class in &scenario.classes {
             let slo: Slo = class.slo;
             let mine: Vec<&RequestSample> = samples.iter().filter(|s| s.class == class.name).collect();
+            // Rates of a class are over the run until its own last response, so one class's
+            // slow tail (a document finishing late) does not dilute another's tokens/s.
+            let class_end = mine.iter().filter_map(|s| s.end_ms).fold(0.0, f64::max) / 1e3;
+            let duration_s = class_end.max(scenario.duration_s).min(duration_s);
             let mut buckets: Vec<&str> = mine.iter().map(|s| bucket(s.input_tokens)).collect();
             buckets.sort_by_key(|b| {
                 b.split('-').next().and_then(|n| n.trim_end_matches('+').parse::<usize>().ok()).unwrap_or(0)
@@ -99,18 +103,20 @@ impl Report {
         let trio = |s: &Summary| format!("{} / {} / {}", f(s.p50), f(s.p95), f(s.p99));
         let mut md = format!(
             "# {}\n\nServer `{}`, {:.1} s, machine: {}.\nCommand: `{}`\n\n\
-             | class | input tokens | requests | errors | TTFT p50/p95/p99 ms | ITL p50/p95/p99 ms (gaps) | longest gap ms | TPOT p50/p95 ms | e2e p50/p95 ms | goodput req/s | output tok/s |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|\n",
+             | class | input tokens | requests | errors (429) | slowest 429 ms | TTFT p50/p95/p99 ms | ITL p50/p95/p99 ms (gaps) | longest gap ms | TPOT p50/p95 ms | e2e p50/p95 ms | goodput req/s | output tok/s |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|\n",
             self.label, self.url, self.duration_s, self.machine, self.command
         );
         for r in &self.rows {
             let s = &r.stats;
             md.push_str(&format!(
-                "| {} | {} | {} | {} | {} | {} ({}) | {} | {} / {} | {} / {} | {:.3} | {:.1} |\n",
+                "| {} | {} | {} | {} ({}) | {} | {} | {} ({}) | {} | {} / {} | {} / {} | {:.3} | {:.1} |\n",
                 r.class,
                 r.input_bucket,
                 s.requests,
                 s.errors,
+                s.rejected,
+                f(s.rejected_latency_ms_max),
                 trio(&s.ttft_ms),
                 trio(&s.itl_ms),
                 s.itl_ms.count,
@@ -196,6 +202,8 @@ mod tests {
             end_ms: tokens.last().copied(),
             reported_output_tokens: None,
             error: None,
+            status: None,
+            retry_after_s: None,
         }
     }
 

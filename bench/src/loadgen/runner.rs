@@ -152,17 +152,20 @@ impl Driver {
         Some(job)
     }
 
-    async fn execute(&self, job: Job) {
+    /// Sends one request; returns how long the server asked to wait (429 + Retry-After).
+    async fn execute(&self, job: Job) -> Option<Duration> {
         let sample =
             send(&self.client, &self.target, self.origin, &job.class, job.prompt, job.input_tokens, job.output_tokens)
                 .await;
         if sample.error.is_some() {
             self.shared.errors.fetch_add(1, Ordering::Relaxed);
         }
+        let retry = sample.retry_after_s.filter(|_| sample.rejected()).map(Duration::from_secs);
         self.shared.done.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut s) = self.shared.samples.lock() {
             s.push(sample);
         }
+        retry
     }
 
     async fn drive(self, class: ClassSpec, seed: u64) {
@@ -174,8 +177,12 @@ impl Driver {
                     .map(|_| {
                         let me = self.clone();
                         tokio::spawn(async move {
+                            // A closed-loop client behaves like a polite one: after a 429 it
+                            // waits the Retry-After the server gave (bounded by the run's end).
                             while let Some(job) = me.next_job() {
-                                me.execute(job).await;
+                                if let Some(wait) = me.execute(job).await {
+                                    tokio::time::sleep_until(me.stop_at.min(Instant::now() + wait).into()).await;
+                                }
                             }
                         })
                     })
@@ -190,7 +197,9 @@ impl Driver {
                 let mut inflight = Vec::new();
                 while let Some(job) = self.next_job() {
                     let me = self.clone();
-                    inflight.push(tokio::spawn(async move { me.execute(job).await }));
+                    inflight.push(tokio::spawn(async move {
+                        let _ = me.execute(job).await;
+                    }));
                     let gap = match class.arrival {
                         Arrival::Poisson { rate_per_s } => rng.exponential(1.0 / rate_per_s),
                         Arrival::Every { period_s } => period_s,

@@ -45,9 +45,20 @@ pub struct RequestSample {
     /// `usage.completion_tokens` when the server reported it.
     pub reported_output_tokens: Option<usize>,
     pub error: Option<String>,
+    /// HTTP status of a refused request (429: over capacity, 503: no worker).
+    #[serde(default)]
+    pub status: Option<u16>,
+    /// Its `Retry-After` header, in seconds.
+    #[serde(default)]
+    pub retry_after_s: Option<u64>,
 }
 
 impl RequestSample {
+    /// True when the server refused the request as over capacity (429).
+    pub fn rejected(&self) -> bool {
+        self.status == Some(429)
+    }
+
     pub fn ok(&self) -> bool {
         self.error.is_none() && !self.token_ms.is_empty()
     }
@@ -112,6 +123,9 @@ impl Slo {
 pub struct GroupStats {
     pub requests: usize,
     pub errors: usize,
+    /// Errors that were 429 refusals (admission control), and how long the slowest took.
+    pub rejected: usize,
+    pub rejected_latency_ms_max: Option<f64>,
     pub error_rate: f64,
     pub ttft_ms: Summary,
     /// All gaps of all streams pooled.
@@ -134,6 +148,12 @@ impl GroupStats {
         GroupStats {
             requests: requests.len(),
             errors,
+            rejected: requests.iter().filter(|r| r.rejected()).count(),
+            rejected_latency_ms_max: requests
+                .iter()
+                .filter(|r| r.rejected())
+                .filter_map(|r| r.end_ms.map(|e| e - r.sent_ms))
+                .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x)))),
             error_rate: if requests.is_empty() { 0.0 } else { errors as f64 / requests.len() as f64 },
             ttft_ms: Summary::of(ok.iter().filter_map(|r| r.ttft_ms())),
             itl_ms: Summary::of(ok.iter().flat_map(|r| r.gaps_ms())),
@@ -160,6 +180,8 @@ mod tests {
             end_ms: tokens.last().copied(),
             reported_output_tokens: None,
             error: None,
+            status: None,
+            retry_after_s: None,
         }
     }
 

@@ -38,6 +38,10 @@ struct Args {
     /// Decode steps timed per batch size.
     #[arg(long, default_value_t = 16)]
     steps: usize,
+    /// Also measure what one row at this context (0 = skip) costs a decode batch of 4 rows
+    /// at `--context`: the step time with and without it.
+    #[arg(long, default_value_t = 0)]
+    long_row: usize,
 }
 
 /// Deterministic token ids in the normal-text range of the vocabulary.
@@ -130,8 +134,49 @@ fn main() -> anyhow::Result<()> {
             args.batch[0]
         );
     }
+    if args.long_row > 0 {
+        long_row_cost(&engine, &snapshot, first_token, &args)?;
+    }
     if let Some(rss) = peak_rss_mib() {
         println!("| peak RSS | {rss:.0} MiB |");
     }
+    Ok(())
+}
+
+/// Mean step time over `steps` decode steps of `seqs` (one token each).
+fn step_ms(engine: &Engine, seqs: &mut [SequenceKv], first: u32, steps: usize) -> anyhow::Result<f64> {
+    let mut tokens = vec![first; seqs.len()];
+    let mut t = Instant::now();
+    for i in 0..=steps {
+        if i == 1 {
+            t = Instant::now(); // the first step warms up
+        }
+        let mut items: Vec<BatchSeq<'_>> = seqs
+            .iter_mut()
+            .zip(tokens.iter())
+            .map(|(kv, t)| BatchSeq { tokens: std::slice::from_ref(t), kv, want_logits: true })
+            .collect();
+        tokens = engine.forward(&mut items)?.argmax(1)?.to_vec1::<u32>()?;
+    }
+    Ok(t.elapsed().as_secs_f64() * 1e3 / steps as f64)
+}
+
+/// The cost of one long-context row in a decode batch of 4 short rows.
+fn long_row_cost(engine: &Engine, snapshot: &[u8], first: u32, args: &Args) -> anyhow::Result<()> {
+    let mut long = engine.new_sequence();
+    engine.prefill(&mut long, &prompt(args.long_row, 3), args.chunk)?;
+    let mut short: Vec<SequenceKv> = (0..4).map(|_| engine.import_kv(snapshot)).collect::<Result<_, _>>()?;
+    let alone = step_ms(engine, &mut short, first, args.steps)?;
+    short.push(long);
+    let with_long = step_ms(engine, &mut short, first, args.steps)?;
+    let mut five: Vec<SequenceKv> = (0..5).map(|_| engine.import_kv(snapshot)).collect::<Result<_, _>>()?;
+    let five_short = step_ms(engine, &mut five, first, args.steps)?;
+    println!(
+        "| decode batch 4 at {} context, + one row at {} | {alone:.1} -> {with_long:.1} ms/step (+{:.0}%; a 5th row at {} context: {five_short:.1}) |",
+        args.context,
+        args.long_row,
+        100.0 * (with_long / alone - 1.0),
+        args.context
+    );
     Ok(())
 }

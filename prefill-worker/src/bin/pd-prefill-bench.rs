@@ -77,7 +77,7 @@ async fn run(args: &Args) -> anyhow::Result<()> {
             sampling: pd_engine::SamplingParams::greedy(1),
         };
         let steps = Steps::start(prefill.clone(), StepConfig::single(512))?;
-        let sent = prefill_and_send(job, &sender, &steps, || {}).await?;
+        let sent = prefill_and_send(job, &sender, &steps, |_| {}).await?;
         drop(outcome.await?.map_err(|e| anyhow::anyhow!("{e}"))?);
         rows[0].push(format!("{:.2} s", sent.prefill_time.as_secs_f64()));
         rows[1].push(format!("{:.1} MB", sent.receipt.bytes as f64 / 1e6));

@@ -7,6 +7,7 @@ fn cfg() -> StepConfig {
         long_threshold: 512,
         target: Duration::from_millis(150),
         min_chunk: 16,
+        short_chunk: 0,
         max_chunk: 512,
         max_wait: Duration::from_secs(2),
     }
@@ -64,4 +65,15 @@ fn the_cost_model_learns_a_slower_machine() {
     }
     let learned = cost.predict(&chunks).as_secs_f64() / predicted.as_secs_f64();
     assert!((learned - 2.0).abs() < 0.05, "{learned}");
+}
+
+#[test]
+fn short_prompts_get_their_short_chunk_whatever_the_budget_and_long_ones_do_not() {
+    let cost = CostModel::default();
+    let config = StepConfig { short_chunk: 128, ..cfg() };
+    let step = plan(&[cand(1500, 548, 10), cand(96, 0, 0)], &config, &cost);
+    assert_eq!(step[0], (1, 96), "the whole short prompt in one step: {step:?}");
+    assert_eq!(step.len(), 1, "no budget left for the document this step");
+    let step = plan(&[cand(1500, 548, 10)], &config, &cost);
+    assert!(step[0].1 < 64, "the document alone keeps to the budget: {step:?}");
 }

@@ -8,6 +8,10 @@ use std::time::Duration;
 
 use pd_proto::v1 as pb;
 
+/// A decode worker takes new streams while its step time is under this fraction of the
+/// tightest ITL SLO among its streams.
+pub const ITL_HEADROOM: f64 = 0.8;
+
 /// A decode worker as last seen.
 #[derive(Debug, Clone)]
 pub struct DecodeState {
@@ -17,11 +21,13 @@ pub struct DecodeState {
     pub pending_blocks: u32,
     /// Requests this router has on the worker (granted and not finished).
     pub ours: u32,
+    /// The ITL SLO of each of them (the tightest one bounds the step time).
+    pub itl_slos: Vec<Duration>,
 }
 
 impl DecodeState {
     pub fn new(addr: String, load: pb::DecodeLoad) -> Self {
-        DecodeState { addr, load, pending_blocks: 0, ours: 0 }
+        DecodeState { addr, load, pending_blocks: 0, ours: 0, itl_slos: Vec::new() }
     }
 
     pub fn free_blocks(&self) -> u32 {
@@ -42,10 +48,14 @@ impl DecodeState {
         (self.load.running_sequences + self.load.waiting_transfers).max(self.ours)
     }
 
-    /// True when a sequence needing `blocks` fits now.
-    pub fn has_room(&self, blocks: u32) -> bool {
+    /// True when a sequence needing `blocks` of a class with ITL SLO `itl` fits now: free
+    /// blocks, a batch slot, and a step time under `ITL_HEADROOM` of the tightest ITL SLO of
+    /// the streams there (this one included), so a new stream does not push them past it.
+    pub fn has_room(&self, blocks: u32, itl: Duration) -> bool {
         let max_batch = if self.load.max_batch == 0 { u32::MAX } else { self.load.max_batch };
-        self.free_blocks() >= blocks && self.busy() < max_batch
+        let tightest = self.itl_slos.iter().copied().chain([itl]).min().unwrap_or(itl);
+        let step_ok = self.load.step_ms <= ITL_HEADROOM * tightest.as_secs_f64() * 1e3;
+        self.free_blocks() >= blocks && self.busy() < max_batch && step_ok
     }
 }
 
@@ -88,16 +98,22 @@ impl PrefillState {
         }
     }
 
-    /// Prompt sizes in flight (ours, or the worker's own count when another router sent more).
+    /// Tokens still to prefill of each prompt in flight: ours, scaled down to what the worker
+    /// reports not yet computed (they are partly done), plus what other routers sent.
     pub fn in_flight_tokens(&self) -> Vec<usize> {
         let ours: usize = self.in_flight.iter().map(|(_, t)| t).sum();
-        if (self.load.waiting_prefill_tokens as usize) > ours {
-            let mut v: Vec<usize> = self.in_flight.iter().map(|(_, t)| *t).collect();
-            v.push(self.load.waiting_prefill_tokens as usize - ours);
-            v
+        let reported = self.load.waiting_prefill_tokens as usize;
+        // 0 reported while we have prompts there: the refresh predates them.
+        let mut v: Vec<usize> = if reported > 0 && reported < ours {
+            let scale = reported as f64 / ours as f64;
+            self.in_flight.iter().map(|(_, t)| (*t as f64 * scale).ceil() as usize).collect()
         } else {
             self.in_flight.iter().map(|(_, t)| *t).collect()
+        };
+        if reported > ours {
+            v.push(reported - ours);
         }
+        v
     }
 }
 
@@ -141,9 +157,12 @@ impl Fleet {
         self.prefill.iter_mut().find(|p| p.addr == addr)
     }
 
-    /// The decode worker with room for `blocks` and the most free blocks.
-    pub fn best_decode(&self, blocks: u32) -> Option<&DecodeState> {
-        self.decode.iter().filter(|d| d.has_room(blocks)).max_by_key(|d| (d.free_blocks(), std::cmp::Reverse(d.busy())))
+    /// The decode worker with room for `blocks` (ITL SLO `itl`) and the most free blocks.
+    pub fn best_decode(&self, blocks: u32, itl: Duration) -> Option<&DecodeState> {
+        self.decode
+            .iter()
+            .filter(|d| d.has_room(blocks, itl))
+            .max_by_key(|d| (d.free_blocks(), std::cmp::Reverse(d.busy())))
     }
 
     /// The prefill worker with the shortest estimated wait, among those with a free slot.
@@ -194,15 +213,27 @@ mod tests {
     fn grants_count_until_the_worker_reports_them_and_refresh_keeps_our_accounting() {
         let mut fleet = Fleet::default();
         fleet.apply(vec![("a".into(), decode(10, 0, 4)), ("b".into(), decode(8, 0, 4))], vec![]);
-        assert_eq!(fleet.best_decode(5).map(|d| d.addr.as_str()), Some("a"));
+        let itl = Duration::from_millis(100);
+        assert_eq!(fleet.best_decode(5, itl).map(|d| d.addr.as_str()), Some("a"));
         fleet.decode_mut("a").expect("a").pending_blocks = 6;
-        assert_eq!(fleet.best_decode(5).map(|d| d.addr.as_str()), Some("b"));
+        assert_eq!(fleet.best_decode(5, itl).map(|d| d.addr.as_str()), Some("b"));
         fleet.apply(vec![("a".into(), decode(10, 0, 4))], vec![]);
         assert_eq!(fleet.decode_mut("a").expect("a").pending_blocks, 6, "kept across refresh");
-        assert!(fleet.best_decode(5).is_none(), "b left the fleet; a has 4 free");
+        assert!(fleet.best_decode(5, itl).is_none(), "b left the fleet; a has 4 free");
         fleet.apply(vec![("a".into(), decode(10, 4, 4))], vec![]);
         fleet.decode_mut("a").expect("a").pending_blocks = 0;
-        assert!(fleet.best_decode(1).is_none(), "a's batch is full");
+        assert!(fleet.best_decode(1, itl).is_none(), "a's batch is full");
+    }
+
+    #[test]
+    fn a_decode_worker_near_the_tightest_itl_slo_of_its_streams_takes_no_more() {
+        let mut fleet = Fleet::default();
+        fleet.apply(vec![("a".into(), pb::DecodeLoad { step_ms: 85.0, ..decode(100, 3, 64) })], vec![]);
+        let (interactive, batch) = (Duration::from_millis(100), Duration::from_millis(1000));
+        assert!(fleet.best_decode(1, interactive).is_none(), "85 ms steps > 80% of 100 ms");
+        assert!(fleet.best_decode(1, batch).is_some(), "a batch stream fits a batch-only worker");
+        fleet.decode_mut("a").expect("a").itl_slos.push(interactive);
+        assert!(fleet.best_decode(1, batch).is_none(), "but not beside an interactive stream");
     }
 
     #[test]
@@ -212,7 +243,11 @@ mod tests {
         fleet.apply(vec![], vec![("p".into(), load)]);
         fleet.prefill_mut("p").expect("p").in_flight.push((1, 2048));
         assert!(fleet.best_prefill(false, 250.0, 256).is_none(), "batch may not take the last slot");
+        fleet.prefill_mut("p").expect("p").load.waiting_prefill_tokens = 2048;
         let (p, wait) = fleet.best_prefill(true, 250.0, 256).expect("interactive");
         assert_eq!((p.addr.as_str(), wait), ("p", Duration::from_millis(512)));
+        // Half of it computed, as the worker reports: half of it is still ahead.
+        fleet.prefill_mut("p").expect("p").load.waiting_prefill_tokens = 1024;
+        assert_eq!(fleet.prefill_mut("p").expect("p").in_flight_tokens(), vec![1024]);
     }
 }

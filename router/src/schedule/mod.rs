@@ -79,6 +79,21 @@ struct Inner {
     queued_tokens: Vec<u64>,
     fleet: Fleet,
     seq: u64,
+    /// When the last requests left the queue (its measured drain rate).
+    dispatched: std::collections::VecDeque<Instant>,
+}
+
+/// Dispatches remembered for the drain rate, and over how long.
+const DRAIN_SAMPLES: usize = 64;
+const DRAIN_WINDOW: Duration = Duration::from_secs(10);
+
+impl Inner {
+    /// Requests dispatched per second recently; None before two dispatches in the window.
+    fn drain_rate(&self, now: Instant) -> Option<f64> {
+        let recent: Vec<&Instant> = self.dispatched.iter().filter(|t| now - **t < DRAIN_WINDOW).collect();
+        let first = recent.first()?;
+        (recent.len() >= 2).then(|| recent.len() as f64 / (now - **first).as_secs_f64().max(1e-3))
+    }
 }
 
 /// The router's queues and view of the workers.
@@ -120,17 +135,21 @@ impl Scheduler {
         let (_, rate) = inner.fleet.prefill_pool(self.config.prior_tokens_per_s, self.config.step_budget);
         let in_flight: Vec<usize> = inner.fleet.prefill.iter().flat_map(|p| p.in_flight_tokens()).collect();
         let ahead = policy::tokens_ahead(&inner.waiting, class.spec.priority, &in_flight, tokens);
-        // The wait the queue causes (the request's own prefill is not overload).
-        let wait = policy::estimated_wait(ahead, 0, rate);
+        // The wait the queue causes (the request's own prefill is not overload): the prefill
+        // work ahead, or the requests ahead at the queue's measured drain rate, whichever is
+        // longer (the decode side may be what holds the queue).
+        let now = Instant::now();
+        let queued_ahead = inner.waiting.iter().filter(|w| w.priority >= class.spec.priority).count();
+        let wait = policy::estimated_wait(ahead, 0, rate).max(policy::queue_wait(queued_ahead, inner.drain_rate(now)));
         let budget = policy::Budget {
             queued_tokens: inner.queued_tokens[class.index],
             max_queued_tokens: class.spec.max_queued_tokens,
             ttft_slo: class.ttft_slo(),
         };
-        policy::admit(&class.name, tokens, budget, wait, rate)
+        let own = policy::estimated_wait(0, tokens, rate);
+        policy::admit(&class.name, tokens, budget, wait, own, rate)
             .map_err(|r| RouterError::Overloaded { message: r.message, retry_after_s: r.retry_after_s })?;
         let (tx, rx) = oneshot::channel();
-        let now = Instant::now();
         inner.seq += 1;
         let seq = inner.seq;
         inner.waiting.push(Waiting {
@@ -142,6 +161,7 @@ impl Scheduler {
             arrived: now,
             deadline: now + class.ttft_slo(),
             expires: now + class.max_queue_age(),
+            itl_slo: Duration::from_millis(class.spec.itl_slo_ms),
             reply: tx,
         });
         inner.queued_tokens[class.index] += tokens as u64;
@@ -162,6 +182,10 @@ impl Scheduler {
             let Some(grant) = self.place(inner, i, top) else { break };
             let w = inner.waiting.swap_remove(i);
             inner.queued_tokens[w.class] -= w.tokens as u64;
+            inner.dispatched.push_back(Instant::now());
+            if inner.dispatched.len() > DRAIN_SAMPLES {
+                inner.dispatched.pop_front();
+            }
             if let Err(mut grant) = w.reply.send(grant) {
                 grant.ticket.release(&mut inner.fleet); // its client left while it waited
             }
@@ -180,9 +204,9 @@ impl Scheduler {
     fn place(self: &Arc<Self>, inner: &mut Inner, i: usize, top: i32) -> Option<Grant> {
         let w = &inner.waiting[i];
         let cfg = &self.config;
-        let decode = inner.fleet.best_decode(0)?;
+        let decode = inner.fleet.best_decode(0, w.itl_slo)?;
         let blocks = decode.blocks_for(w.tokens + 1);
-        let decode = inner.fleet.best_decode(blocks)?;
+        let decode = inner.fleet.best_decode(blocks, w.itl_slo)?;
         let (pool_wait, _) = inner.fleet.prefill_pool(cfg.prior_tokens_per_s, cfg.step_budget);
         let place = policy::place(&cfg.local, w.tokens, w.max_tokens, pool_wait, decode.free_fraction());
         let prefill = if place.is_local() {
@@ -191,10 +215,12 @@ impl Scheduler {
             let (p, wait) = inner.fleet.best_prefill(w.priority >= top, cfg.prior_tokens_per_s, cfg.step_budget)?;
             Some((p.addr.clone(), wait))
         };
-        let (decode_addr, seq, tokens, waited) = (decode.addr.clone(), w.seq, w.tokens, w.arrived.elapsed());
+        let (decode_addr, seq, tokens, waited, itl) =
+            (decode.addr.clone(), w.seq, w.tokens, w.arrived.elapsed(), w.itl_slo);
         if let Some(d) = inner.fleet.decode_mut(&decode_addr) {
             d.pending_blocks += blocks;
             d.ours += 1;
+            d.itl_slos.push(itl);
         }
         if let Some((addr, _)) = &prefill {
             if let Some(p) = inner.fleet.prefill_mut(addr) {
@@ -208,6 +234,7 @@ impl Scheduler {
             blocks,
             prefill: prefill.as_ref().map(|(a, _)| a.clone()),
             decode_opened: false,
+            itl,
         };
         Some(Grant {
             decode: decode_addr,
@@ -330,6 +357,7 @@ pub struct Ticket {
     blocks: u32,
     prefill: Option<String>,
     decode_opened: bool,
+    itl: Duration,
 }
 
 impl Ticket {
@@ -373,6 +401,9 @@ impl Ticket {
         self.prefill_locked(fleet);
         if let Some(d) = fleet.decode_mut(&self.decode) {
             d.ours = d.ours.saturating_sub(1);
+            if let Some(i) = d.itl_slos.iter().position(|x| *x == self.itl) {
+                d.itl_slos.swap_remove(i);
+            }
         }
         self.scheduler = None;
     }

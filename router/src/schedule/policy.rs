@@ -20,6 +20,8 @@ pub struct Waiting<T> {
     pub deadline: Instant,
     /// Arrival + the class's longest queue age: refused after it.
     pub expires: Instant,
+    /// The class's ITL SLO: a decode worker whose step time nears it takes no more streams.
+    pub itl_slo: Duration,
     /// Where the grant goes.
     pub reply: T,
 }
@@ -47,6 +49,15 @@ pub fn estimated_wait(tokens_ahead: u64, own_tokens: usize, tokens_per_s: f64) -
     Duration::from_secs_f64(seconds.min(86_400.0))
 }
 
+/// How long the requests ahead take to leave the queue at its measured dispatch rate (None:
+/// not measured yet).
+pub fn queue_wait(ahead: usize, dispatch_per_s: Option<f64>) -> Duration {
+    match dispatch_per_s {
+        Some(r) if ahead > 0 => Duration::from_secs_f64(((ahead as f64) / r.max(1e-3)).min(86_400.0)),
+        _ => Duration::ZERO,
+    }
+}
+
 /// Retry-After in whole seconds: the time for the queue to drain by `excess`, at least 1.
 pub fn retry_after(excess: Duration) -> u64 {
     excess.as_secs_f64().ceil().max(1.0) as u64
@@ -67,9 +78,18 @@ pub struct Refusal {
     pub retry_after_s: u64,
 }
 
-/// Admits a request of `tokens` prompt tokens of class `class` with budget `b` and an
-/// estimated wait `wait` at drain rate `tokens_per_s`, or says why not.
-pub fn admit(class: &str, tokens: usize, b: Budget, wait: Duration, tokens_per_s: f64) -> Result<(), Refusal> {
+/// Admits a request of `tokens` prompt tokens of class `class` with budget `b`, estimated
+/// wait `wait` for the work ahead of it and `own` for its own prefill, at drain rate
+/// `tokens_per_s`, or says why not. With work ahead, wait + own must fit the TTFT SLO; on an
+/// idle pool a request is never refused for its own length (that is no overload).
+pub fn admit(
+    class: &str,
+    tokens: usize,
+    b: Budget,
+    wait: Duration,
+    own: Duration,
+    tokens_per_s: f64,
+) -> Result<(), Refusal> {
     let after = b.queued_tokens + tokens as u64;
     if after > b.max_queued_tokens {
         // Retry when the class's queue has drained by the excess.
@@ -82,15 +102,16 @@ pub fn admit(class: &str, tokens: usize, b: Budget, wait: Duration, tokens_per_s
             retry_after_s: retry_after(excess),
         });
     }
-    if wait > b.ttft_slo {
+    let ttft = if wait.is_zero() { wait } else { wait + own };
+    if ttft > b.ttft_slo {
         return Err(Refusal {
             message: format!(
-                "estimated wait {} ms ({:.0} prompt tokens ahead at {tokens_per_s:.0} tokens/s) exceeds class `{class}`'s TTFT SLO of {} ms",
-                wait.as_millis(),
+                "estimated time to first token {} ms ({:.0} prompt tokens ahead, {tokens} own, at {tokens_per_s:.0} tokens/s) exceeds class `{class}`'s TTFT SLO of {} ms",
+                ttft.as_millis(),
                 wait.as_secs_f64() * tokens_per_s,
                 b.ttft_slo.as_millis()
             ),
-            retry_after_s: retry_after(wait - b.ttft_slo),
+            retry_after_s: retry_after(ttft - b.ttft_slo),
         });
     }
     Ok(())

@@ -11,6 +11,7 @@ fn waiting(seq: u64, priority: i32, deadline_ms: u64, tokens: usize) -> Waiting<
         arrived: t0,
         deadline: t0 + Duration::from_millis(deadline_ms),
         expires: t0 + Duration::from_secs(10),
+        itl_slo: Duration::from_millis(100),
         reply: (),
     }
 }
@@ -36,13 +37,24 @@ fn tokens_ahead_skip_lower_priorities_and_count_others_up_to_the_own_prompt() {
 #[test]
 fn admission_checks_the_class_budget_then_the_slo() {
     let b = Budget { queued_tokens: 900, max_queued_tokens: 1000, ttft_slo: Duration::from_millis(1500) };
-    assert_eq!(admit("interactive", 100, b, Duration::from_millis(100), 250.0), Ok(()));
-    let full = admit("interactive", 350, b, Duration::from_millis(100), 250.0).expect_err("budget");
+    let ms = Duration::from_millis;
+    assert_eq!(admit("interactive", 100, b, ms(100), ms(400), 250.0), Ok(()));
+    let full = admit("interactive", 350, b, ms(100), ms(400), 250.0).expect_err("budget");
     assert!(full.message.contains("max_queued_tokens"), "{}", full.message);
     assert_eq!(full.retry_after_s, 1); // 250 tokens over at 250 tok/s
-    let late = admit("interactive", 10, b, Duration::from_millis(4200), 250.0).expect_err("slo");
+    let late = admit("interactive", 10, b, ms(4200), ms(40), 250.0).expect_err("slo");
     assert!(late.message.contains("TTFT SLO"), "{}", late.message);
-    assert_eq!(late.retry_after_s, 3); // 2.7 s over the SLO, rounded up
+    assert_eq!(late.retry_after_s, 3); // 2.74 s over the SLO, rounded up
+                                       // Work ahead: its own prefill counts too; nothing ahead: a long prompt is not overload.
+    assert!(admit("interactive", 10, b, ms(1200), ms(400), 250.0).is_err());
+    assert_eq!(admit("interactive", 10, b, Duration::ZERO, ms(9000), 250.0), Ok(()));
+}
+
+#[test]
+fn queue_wait_is_the_requests_ahead_at_the_measured_dispatch_rate() {
+    assert_eq!(queue_wait(6, Some(2.0)), Duration::from_secs(3));
+    assert_eq!(queue_wait(0, Some(2.0)), Duration::ZERO);
+    assert_eq!(queue_wait(6, None), Duration::ZERO);
 }
 
 #[test]
