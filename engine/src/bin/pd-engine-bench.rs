@@ -61,7 +61,9 @@ fn main() -> anyhow::Result<()> {
     set_compute_threads(args.threads)?;
     let max_prompt = args.prefill.iter().copied().max().unwrap_or(0);
     let max_batch = args.batch.iter().copied().max().unwrap_or(1);
-    let tokens_needed = max_prompt.max((args.context + args.steps + 1) * (max_batch + 1));
+    let per_seq = args.context + args.steps + 2;
+    let long_rows = if args.long_row > 0 { args.long_row + args.steps + 2 + per_seq * 9 } else { 0 };
+    let tokens_needed = max_prompt.max(per_seq * (max_batch + 1)) + long_rows;
     let cache = CacheConfig::with_blocks(tokens_needed.div_ceil(16) + 16);
     let options = LoadOptions { weights: args.weights, ..LoadOptions::default() };
     let engine =

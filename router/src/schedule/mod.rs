@@ -79,13 +79,14 @@ struct Inner {
     queued_tokens: Vec<u64>,
     fleet: Fleet,
     seq: u64,
-    /// When the last requests left the queue (its measured drain rate).
+    /// When the last waiting requests left the queue (its measured drain rate; a request
+    /// granted on arrival did not wait and is not counted).
     dispatched: std::collections::VecDeque<Instant>,
 }
 
 /// Dispatches remembered for the drain rate, and over how long.
 const DRAIN_SAMPLES: usize = 64;
-const DRAIN_WINDOW: Duration = Duration::from_secs(10);
+const DRAIN_WINDOW: Duration = Duration::from_secs(5);
 
 impl Inner {
     /// Requests dispatched per second recently; None before two dispatches in the window.
@@ -139,8 +140,12 @@ impl Scheduler {
         // work ahead, or the requests ahead at the queue's measured drain rate, whichever is
         // longer (the decode side may be what holds the queue).
         let now = Instant::now();
-        let queued_ahead = inner.waiting.iter().filter(|w| w.priority >= class.spec.priority).count();
-        let wait = policy::estimated_wait(ahead, 0, rate).max(policy::queue_wait(queued_ahead, inner.drain_rate(now)));
+        let ahead_of_me = inner.waiting.iter().filter(|w| w.priority >= class.spec.priority);
+        let (queued_ahead, oldest) = ahead_of_me.fold((0, Duration::ZERO), |(n, o), w| (n + 1, o.max(now - w.arrived)));
+        // A request behind one that has waited `oldest` waits about as long again.
+        let wait = policy::estimated_wait(ahead, 0, rate)
+            .max(policy::queue_wait(queued_ahead, inner.drain_rate(now)))
+            .max(oldest);
         let budget = policy::Budget {
             queued_tokens: inner.queued_tokens[class.index],
             max_queued_tokens: class.spec.max_queued_tokens,
@@ -165,7 +170,7 @@ impl Scheduler {
             reply: tx,
         });
         inner.queued_tokens[class.index] += tokens as u64;
-        self.dispatch(&mut inner);
+        self.dispatch(&mut inner, Some(seq));
         Ok(Pending {
             scheduler: self.clone(),
             seq,
@@ -175,16 +180,19 @@ impl Scheduler {
         })
     }
 
-    /// Grants waiting requests, best first, while the head fits somewhere.
-    fn dispatch(self: &Arc<Self>, inner: &mut Inner) {
+    /// Grants waiting requests, best first, while the head fits somewhere. `arriving` is a
+    /// request submitted just now (granted at once, it did not wait: not a queue departure).
+    fn dispatch(self: &Arc<Self>, inner: &mut Inner, arriving: Option<u64>) {
         let top = self.top_priority();
         while let Some(i) = policy::next(&inner.waiting) {
             let Some(grant) = self.place(inner, i, top) else { break };
             let w = inner.waiting.swap_remove(i);
             inner.queued_tokens[w.class] -= w.tokens as u64;
-            inner.dispatched.push_back(Instant::now());
-            if inner.dispatched.len() > DRAIN_SAMPLES {
-                inner.dispatched.pop_front();
+            if arriving != Some(w.seq) {
+                inner.dispatched.push_back(Instant::now());
+                if inner.dispatched.len() > DRAIN_SAMPLES {
+                    inner.dispatched.pop_front();
+                }
             }
             if let Err(mut grant) = w.reply.send(grant) {
                 grant.ticket.release(&mut inner.fleet); // its client left while it waited
@@ -205,7 +213,8 @@ impl Scheduler {
         let w = &inner.waiting[i];
         let cfg = &self.config;
         let decode = inner.fleet.best_decode(0, w.itl_slo)?;
-        let blocks = decode.blocks_for(w.tokens + 1);
+        // The decode worker reserves the prompt and the whole output.
+        let blocks = decode.blocks_for(w.tokens + w.max_tokens);
         let decode = inner.fleet.best_decode(blocks, w.itl_slo)?;
         let (pool_wait, _) = inner.fleet.prefill_pool(cfg.prior_tokens_per_s, cfg.step_budget);
         let place = policy::place(&cfg.local, w.tokens, w.max_tokens, pool_wait, decode.free_fraction());
@@ -281,7 +290,7 @@ impl Scheduler {
             }
             inner.queued_tokens.iter_mut().for_each(|t| *t = 0);
         }
-        self.dispatch(&mut inner);
+        self.dispatch(&mut inner, None);
     }
 
     /// Removes a waiting request (its client left, or it expired); true if it was waiting.
@@ -383,7 +392,7 @@ impl Ticket {
         if let Some(s) = self.scheduler.clone() {
             let mut inner = s.lock();
             self.prefill_locked(&mut inner.fleet);
-            s.dispatch(&mut inner);
+            s.dispatch(&mut inner, None);
         }
     }
 
@@ -414,7 +423,7 @@ impl Drop for Ticket {
         if let Some(s) = self.scheduler.clone() {
             let mut inner = s.lock();
             self.release(&mut inner.fleet);
-            s.dispatch(&mut inner);
+            s.dispatch(&mut inner, None);
         }
     }
 }
