@@ -11,6 +11,8 @@
 #      chunked prefill) on the same 2 cores, same load.
 # The load generator runs on core 0 (with the router and the prefill worker).
 #   bench/slo.sh [DURATION_S]      (default 60; writes bench/results/slo/)
+#   PARTS="overload" bench/slo.sh 30   (rerun some parts: interference capacity overload
+#                                       goodput; the summary reads every part's last run)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 duration="${1:-60}"
@@ -20,7 +22,10 @@ bin=target/release
 port=18180
 scripts/fetch-model.sh >/dev/null
 cargo build --release --quiet --workspace --bins --features pd-kv-transfer/ucx
-rm -rf "$out/runs" "$out/logs"
+parts="${PARTS:-interference capacity overload goodput}"
+has() { [[ " $parts " == *" $1 "* ]]; }
+[[ -z "${PARTS:-}" ]] && rm -rf "$out/runs"
+rm -rf "$out/logs"
 mkdir -p "$out/runs" "$out/logs" "$out/scenarios"
 cluster_pid=""
 stop() {
@@ -68,7 +73,7 @@ peak_rss() { # the peak resident memory of every pd process now running, in MB
 }
 
 # 1. interference, one configuration (up.sh as it starts)
-for variant in base docs; do
+has interference && for variant in base docs; do
     echo "== interference / $variant ($duration s)" >&2
     up "interference-$variant"
     bench "interference/$variant" "bench/scenarios/interference-$variant.txt"
@@ -81,10 +86,12 @@ cat >"$out/scenarios/capacity.txt" <<EOF
 duration=30 max_requests=4000 seed=21
 class interactive concurrency=16 input=32..96 output=64..128 ttft_p95_ms=1500 itl_p95_ms=100
 EOF
-echo "== capacity (30 s)" >&2
-up capacity
-bench capacity "$out/scenarios/capacity.txt" 30
-stop
+if has capacity; then
+    echo "== capacity (30 s)" >&2
+    up capacity
+    bench capacity "$out/scenarios/capacity.txt" 30
+    stop
+fi
 capacity=$(python3 -c "
 import json; s = json.load(open('$out/runs/capacity/summary.json'))
 rows = [r for r in s['rows'] if r['class'] == 'interactive']
@@ -100,20 +107,24 @@ duration=$duration max_requests=20000 seed=23
 class interactive rate=$rate input=32..96 output=64..128 ttft_p95_ms=1500 itl_p95_ms=100
 class batch rate=0.1 input=512..1024 output=64 ttft_p95_ms=600000 itl_p95_ms=1000
 EOF
-echo "== overload at $rate req/s ($duration s)" >&2
-up overload
-bench overload "$out/scenarios/overload.txt"
-sleep 5 # batch work still in flight completes before the memory is read
-peak_rss >"$out/runs/overload/peak-rss.txt"
-stop
+if has overload; then
+    echo "== overload at $rate req/s ($duration s)" >&2
+    up overload
+    bench overload "$out/scenarios/overload.txt"
+    sleep 5 # batch work still in flight completes before the memory is read
+    peak_rss >"$out/runs/overload/peak-rss.txt"
+    stop
+fi
 
 # 4. goodput: colocated on the same cores and load
-echo "== colocated / docs ($duration s)" >&2
-colocated
-bench "colocated/docs" bench/scenarios/interference-docs.txt
-for p in $colocated_pids; do kill -TERM "$p" 2>/dev/null || true; done
-wait 2>/dev/null || true
-cluster_pid=""
+if has goodput; then
+    echo "== colocated / docs ($duration s)" >&2
+    colocated
+    bench "colocated/docs" bench/scenarios/interference-docs.txt
+    for p in $colocated_pids; do kill -TERM "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    cluster_pid=""
+fi
 
 header="Machine: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores.
 Command: \`bench/slo.sh $duration\` ($(date -u +%Y-%m-%d)); cluster: \`deploy/local/up.sh\` defaults.

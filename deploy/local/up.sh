@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # One-command local cluster: one decode worker and one prefill worker, each pinned to its own
-# core with one compute thread, and the router, all on 127.0.0.1, in the foreground.
+# core with one compute thread, and the router, all on 127.0.0.1, in the foreground. The
+# binaries' defaults are the measured configuration (bench/results/slo/): the built-in
+# traffic classes (deploy/classes/default.toml: interactive, batch), admission control with
+# 429 + Retry-After, request-parallel prefill in ~150 ms steps, prompts prefilled on the
+# prefill worker.
 # Builds and fetches what is missing, prints a line when ready, stops every child on
 # Ctrl-C / SIGTERM.
 #

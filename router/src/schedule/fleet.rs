@@ -48,13 +48,21 @@ impl DecodeState {
         (self.load.running_sequences + self.load.waiting_transfers).max(self.ours)
     }
 
+    /// The step time once the streams granted since the last refresh run too: each added row
+    /// costs about half a row's share of the step (batched rows share the weight reads).
+    pub fn predicted_step_ms(&self) -> f64 {
+        let rows = (self.load.running_sequences + self.load.waiting_transfers).max(1);
+        let added = self.ours.saturating_sub(rows);
+        self.load.step_ms * (1.0 + f64::from(added) / (2.0 * f64::from(rows)))
+    }
+
     /// True when a sequence needing `blocks` of a class with ITL SLO `itl` fits now: free
     /// blocks, a batch slot, and a step time under `ITL_HEADROOM` of the tightest ITL SLO of
     /// the streams there (this one included), so a new stream does not push them past it.
     pub fn has_room(&self, blocks: u32, itl: Duration) -> bool {
         let max_batch = if self.load.max_batch == 0 { u32::MAX } else { self.load.max_batch };
         let tightest = self.itl_slos.iter().copied().chain([itl]).min().unwrap_or(itl);
-        let step_ok = self.load.step_ms <= ITL_HEADROOM * tightest.as_secs_f64() * 1e3;
+        let step_ok = self.predicted_step_ms() <= ITL_HEADROOM * tightest.as_secs_f64() * 1e3;
         self.free_blocks() >= blocks && self.busy() < max_batch && step_ok
     }
 }
@@ -234,6 +242,13 @@ mod tests {
         assert!(fleet.best_decode(1, batch).is_some(), "a batch stream fits a batch-only worker");
         fleet.decode_mut("a").expect("a").itl_slos.push(interactive);
         assert!(fleet.best_decode(1, batch).is_none(), "but not beside an interactive stream");
+        // 60 ms steps with 3 rows; 3 more granted since the refresh: about 90 ms predicted.
+        fleet.apply(vec![("a".into(), pb::DecodeLoad { step_ms: 60.0, ..decode(100, 3, 64) })], vec![]);
+        fleet.decode_mut("a").expect("a").itl_slos.clear();
+        assert!(fleet.best_decode(1, interactive).is_some());
+        fleet.decode_mut("a").expect("a").ours = 6;
+        assert_eq!(fleet.decode_mut("a").expect("a").predicted_step_ms(), 90.0);
+        assert!(fleet.best_decode(1, interactive).is_none());
     }
 
     #[test]

@@ -79,21 +79,20 @@ struct Inner {
     queued_tokens: Vec<u64>,
     fleet: Fleet,
     seq: u64,
-    /// When the last waiting requests left the queue (its measured drain rate; a request
-    /// granted on arrival did not wait and is not counted).
-    dispatched: std::collections::VecDeque<Instant>,
+    /// When streams last ended (gave their decode capacity back): how fast a queue held by
+    /// the decode side drains.
+    released: std::collections::VecDeque<Instant>,
 }
 
-/// Dispatches remembered for the drain rate, and over how long.
-const DRAIN_SAMPLES: usize = 64;
+/// Stream ends remembered for the drain rate, and over how long.
+const DRAIN_SAMPLES: usize = 256;
 const DRAIN_WINDOW: Duration = Duration::from_secs(5);
 
 impl Inner {
-    /// Requests dispatched per second recently; None before two dispatches in the window.
+    /// Streams ended per second over the last `DRAIN_WINDOW` (None: none ended in it).
     fn drain_rate(&self, now: Instant) -> Option<f64> {
-        let recent: Vec<&Instant> = self.dispatched.iter().filter(|t| now - **t < DRAIN_WINDOW).collect();
-        let first = recent.first()?;
-        (recent.len() >= 2).then(|| recent.len() as f64 / (now - **first).as_secs_f64().max(1e-3))
+        let n = self.released.iter().filter(|t| now - **t < DRAIN_WINDOW).count();
+        (n > 0).then(|| n as f64 / DRAIN_WINDOW.as_secs_f64())
     }
 }
 
@@ -137,15 +136,31 @@ impl Scheduler {
         let in_flight: Vec<usize> = inner.fleet.prefill.iter().flat_map(|p| p.in_flight_tokens()).collect();
         let ahead = policy::tokens_ahead(&inner.waiting, class.spec.priority, &in_flight, tokens);
         // The wait the queue causes (the request's own prefill is not overload): the prefill
-        // work ahead, or the requests ahead at the queue's measured drain rate, whichever is
-        // longer (the decode side may be what holds the queue).
+        // work ahead at the pool's rate; when no decode worker has room now, the requests
+        // ahead and this one each waiting for a stream to end (a p95 at the rate streams
+        // ended lately; none ended: the decode side is stalled as far as the router knows);
+        // and at least as long again as the oldest request ahead has waited.
         let now = Instant::now();
         let ahead_of_me = inner.waiting.iter().filter(|w| w.priority >= class.spec.priority);
         let (queued_ahead, oldest) = ahead_of_me.fold((0, Duration::ZERO), |(n, o), w| (n + 1, o.max(now - w.arrived)));
-        // A request behind one that has waited `oldest` waits about as long again.
-        let wait = policy::estimated_wait(ahead, 0, rate)
-            .max(policy::queue_wait(queued_ahead, inner.drain_rate(now)))
-            .max(oldest);
+        let itl = Duration::from_millis(class.spec.itl_slo_ms);
+        let need = inner.fleet.decode.first().map_or(0, |d| d.blocks_for(tokens + max_tokens));
+        let decode_wait = if inner.fleet.best_decode(need, itl).is_some() {
+            Duration::ZERO
+        } else {
+            inner.drain_rate(now).map_or(DRAIN_WINDOW, |r| policy::queue_wait(queued_ahead + 1, Some(r)))
+        };
+        let prefill_wait = policy::estimated_wait(ahead, 0, rate);
+        let wait = prefill_wait.max(decode_wait).max(oldest);
+        tracing::debug!(
+            class = %class.name,
+            tokens,
+            queued_ahead,
+            prefill_wait_ms = prefill_wait.as_millis() as u64,
+            decode_wait_ms = decode_wait.as_millis() as u64,
+            oldest_ms = oldest.as_millis() as u64,
+            "admission estimate"
+        );
         let budget = policy::Budget {
             queued_tokens: inner.queued_tokens[class.index],
             max_queued_tokens: class.spec.max_queued_tokens,
@@ -170,7 +185,7 @@ impl Scheduler {
             reply: tx,
         });
         inner.queued_tokens[class.index] += tokens as u64;
-        self.dispatch(&mut inner, Some(seq));
+        self.dispatch(&mut inner);
         Ok(Pending {
             scheduler: self.clone(),
             seq,
@@ -180,22 +195,15 @@ impl Scheduler {
         })
     }
 
-    /// Grants waiting requests, best first, while the head fits somewhere. `arriving` is a
-    /// request submitted just now (granted at once, it did not wait: not a queue departure).
-    fn dispatch(self: &Arc<Self>, inner: &mut Inner, arriving: Option<u64>) {
+    /// Grants waiting requests, best first, while the head fits somewhere.
+    fn dispatch(self: &Arc<Self>, inner: &mut Inner) {
         let top = self.top_priority();
         while let Some(i) = policy::next(&inner.waiting) {
             let Some(grant) = self.place(inner, i, top) else { break };
             let w = inner.waiting.swap_remove(i);
             inner.queued_tokens[w.class] -= w.tokens as u64;
-            if arriving != Some(w.seq) {
-                inner.dispatched.push_back(Instant::now());
-                if inner.dispatched.len() > DRAIN_SAMPLES {
-                    inner.dispatched.pop_front();
-                }
-            }
             if let Err(mut grant) = w.reply.send(grant) {
-                grant.ticket.release(&mut inner.fleet); // its client left while it waited
+                grant.ticket.release(inner, false); // its client left while it waited
             }
         }
         self.count_queued(inner);
@@ -227,6 +235,14 @@ impl Scheduler {
         let (decode_addr, seq, tokens, waited, itl) =
             (decode.addr.clone(), w.seq, w.tokens, w.arrived.elapsed(), w.itl_slo);
         if let Some(d) = inner.fleet.decode_mut(&decode_addr) {
+            tracing::debug!(
+                waited_ms = waited.as_millis() as u64,
+                step_ms = d.load.step_ms,
+                predicted_step_ms = d.predicted_step_ms(),
+                running = d.load.running_sequences,
+                ours = d.ours,
+                "granted"
+            );
             d.pending_blocks += blocks;
             d.ours += 1;
             d.itl_slos.push(itl);
@@ -290,7 +306,7 @@ impl Scheduler {
             }
             inner.queued_tokens.iter_mut().for_each(|t| *t = 0);
         }
-        self.dispatch(&mut inner, None);
+        self.dispatch(&mut inner);
     }
 
     /// Removes a waiting request (its client left, or it expired); true if it was waiting.
@@ -392,7 +408,7 @@ impl Ticket {
         if let Some(s) = self.scheduler.clone() {
             let mut inner = s.lock();
             self.prefill_locked(&mut inner.fleet);
-            s.dispatch(&mut inner, None);
+            s.dispatch(&mut inner);
         }
     }
 
@@ -404,8 +420,15 @@ impl Ticket {
         }
     }
 
-    /// Gives everything back (caller holds the lock).
-    fn release(&mut self, fleet: &mut Fleet) {
+    /// Gives everything back (caller holds the lock); `ended` counts a stream that ran.
+    fn release(&mut self, inner: &mut Inner, ended: bool) {
+        if ended {
+            inner.released.push_back(Instant::now());
+            if inner.released.len() > DRAIN_SAMPLES {
+                inner.released.pop_front();
+            }
+        }
+        let fleet = &mut inner.fleet;
         self.open_locked(fleet);
         self.prefill_locked(fleet);
         if let Some(d) = fleet.decode_mut(&self.decode) {
@@ -422,8 +445,8 @@ impl Drop for Ticket {
     fn drop(&mut self) {
         if let Some(s) = self.scheduler.clone() {
             let mut inner = s.lock();
-            self.release(&mut inner.fleet);
-            s.dispatch(&mut inner, None);
+            self.release(&mut inner, true);
+            s.dispatch(&mut inner);
         }
     }
 }

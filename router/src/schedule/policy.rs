@@ -49,11 +49,15 @@ pub fn estimated_wait(tokens_ahead: u64, own_tokens: usize, tokens_per_s: f64) -
     Duration::from_secs_f64(seconds.min(86_400.0))
 }
 
-/// How long the requests ahead take to leave the queue at its measured dispatch rate (None:
-/// not measured yet).
-pub fn queue_wait(ahead: usize, dispatch_per_s: Option<f64>) -> Duration {
-    match dispatch_per_s {
-        Some(r) if ahead > 0 => Duration::from_secs_f64(((ahead as f64) / r.max(1e-3)).min(86_400.0)),
+/// A p95 estimate of the time until `n` more streams end, when they end at `per_s` on
+/// average (Poisson): about n + 2 sqrt(n) mean gaps (3 gaps for one, as for an exponential
+/// wait). None: the rate is not measured, no wait is assumed.
+pub fn queue_wait(n: usize, per_s: Option<f64>) -> Duration {
+    match per_s {
+        Some(r) if n > 0 => {
+            let gaps = n as f64 + 2.0 * (n as f64).sqrt();
+            Duration::from_secs_f64((gaps / r.max(1e-3)).min(86_400.0))
+        }
         _ => Duration::ZERO,
     }
 }
@@ -77,6 +81,10 @@ pub struct Refusal {
     pub message: String,
     pub retry_after_s: u64,
 }
+
+/// With work ahead, a request is admitted only if its estimated time to first token is
+/// within this fraction of its TTFT SLO: the estimate is an average, the SLO a p95.
+pub const ADMIT_MARGIN: f64 = 0.8;
 
 /// Admits a request of `tokens` prompt tokens of class `class` with budget `b`, estimated
 /// wait `wait` for the work ahead of it and `own` for its own prefill, at drain rate
@@ -103,15 +111,16 @@ pub fn admit(
         });
     }
     let ttft = if wait.is_zero() { wait } else { wait + own };
-    if ttft > b.ttft_slo {
+    if ttft > b.ttft_slo.mul_f64(ADMIT_MARGIN) {
         return Err(Refusal {
             message: format!(
-                "estimated time to first token {} ms ({:.0} prompt tokens ahead, {tokens} own, at {tokens_per_s:.0} tokens/s) exceeds class `{class}`'s TTFT SLO of {} ms",
+                "estimated time to first token {} ms ({:.0} prompt tokens ahead, {tokens} own, at {tokens_per_s:.0} tokens/s) exceeds {:.0}% of class `{class}`'s TTFT SLO of {} ms",
                 ttft.as_millis(),
                 wait.as_secs_f64() * tokens_per_s,
+                ADMIT_MARGIN * 100.0,
                 b.ttft_slo.as_millis()
             ),
-            retry_after_s: retry_after(ttft - b.ttft_slo),
+            retry_after_s: retry_after(ttft.saturating_sub(b.ttft_slo.mul_f64(ADMIT_MARGIN))),
         });
     }
     Ok(())

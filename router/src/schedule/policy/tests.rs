@@ -44,15 +44,17 @@ fn admission_checks_the_class_budget_then_the_slo() {
     assert_eq!(full.retry_after_s, 1); // 250 tokens over at 250 tok/s
     let late = admit("interactive", 10, b, ms(4200), ms(40), 250.0).expect_err("slo");
     assert!(late.message.contains("TTFT SLO"), "{}", late.message);
-    assert_eq!(late.retry_after_s, 3); // 2.74 s over the SLO, rounded up
-                                       // Work ahead: its own prefill counts too; nothing ahead: a long prompt is not overload.
+    assert_eq!(late.retry_after_s, 4); // 3.04 s over 80% of the SLO, rounded up
+    assert!(admit("interactive", 10, b, ms(1100), ms(100), 250.0).is_ok(), "within 80% of the SLO");
+    // Work ahead: its own prefill counts too; nothing ahead: a long prompt is not overload.
     assert!(admit("interactive", 10, b, ms(1200), ms(400), 250.0).is_err());
     assert_eq!(admit("interactive", 10, b, Duration::ZERO, ms(9000), 250.0), Ok(()));
 }
 
 #[test]
-fn queue_wait_is_the_requests_ahead_at_the_measured_dispatch_rate() {
-    assert_eq!(queue_wait(6, Some(2.0)), Duration::from_secs(3));
+fn queue_wait_is_a_p95_of_waiting_for_streams_to_end() {
+    assert_eq!(queue_wait(1, Some(2.0)), Duration::from_millis(1500)); // 3 mean gaps of 0.5 s
+    assert_eq!(queue_wait(4, Some(2.0)), Duration::from_secs(4)); // 4 + 2 * 2 gaps
     assert_eq!(queue_wait(0, Some(2.0)), Duration::ZERO);
     assert_eq!(queue_wait(6, None), Duration::ZERO);
 }
