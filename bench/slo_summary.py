@@ -71,8 +71,10 @@ print(f"| admitted interactive TTFT p95 ms | {fmt(ttft95, 0)} | <= 1500 (class S
 print(f"| interactive sent / completed / 429 | {oi['requests']} / {oi['requests'] - oi['errors']} / {len(refused_i)} | | |")
 lat_max = latency[-1] if latency else None
 lat_p99 = latency[int(0.99 * (len(latency) - 1))] if latency else None
+late = [t for t in latency if t > 100]
 print(f"| 429 answer time p99 / max ms | {fmt(lat_p99)} / {fmt(lat_max)} | <= 100 | "
       f"{'yes' if lat_max is not None and lat_max <= 100 else 'no'} |")
+print(f"| 429s later than 100 ms (queue age expired) | {len(late)} of {len(latency)} | 0 | {'yes' if not late else 'no'} |")
 print(f"| 429s with Retry-After | {with_retry} of {len(refused)} | all | {'yes' if with_retry == len(refused) else 'no'} |")
 print(f"| errors other than 429 | {len(other_errors)} | 0 | {'yes' if not other_errors else 'no'} |")
 print(f"| batch sent / completed / 429 | {len(batch_all)} / {len(batch_ok)} / {len(batch_429)} | none lost | "

@@ -6,7 +6,8 @@
 //! holds its whole prompt (so the pipeline ships it while later layers compute), then
 //! `Done` with the logits and its KV. A request whose receiver is gone (cancelled) is dropped
 //! before the next step and its blocks are freed. The measured step times correct the cost
-//! model and give the worker's tokens/s for the router.
+//! model, which gives the worker's tokens/s for short prompts (what the router's wait
+//! estimates are about: a step of a full short chunk at no context).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc as std_mpsc;
@@ -62,7 +63,7 @@ struct Active {
 pub struct Steps {
     submit: std_mpsc::Sender<Submitted>,
     config: StepConfig,
-    /// Tokens/s over recent busy time, as f64 bits (0 until measured).
+    /// Short-prompt tokens/s, as f64 bits (0 until a step was measured).
     rate: Arc<AtomicU64>,
 }
 
@@ -70,14 +71,7 @@ impl Steps {
     pub fn start(engine: Arc<Engine>, config: StepConfig) -> std::io::Result<Self> {
         let (submit, rx) = std_mpsc::channel();
         let rate = Arc::new(AtomicU64::new(0));
-        let state = Loop {
-            engine,
-            config,
-            cost: CostModel::default(),
-            active: Vec::new(),
-            rate: rate.clone(),
-            meter: Meter::default(),
-        };
+        let state = Loop { engine, config, cost: CostModel::default(), active: Vec::new(), rate: rate.clone() };
         std::thread::Builder::new().name("pd-prefill-steps".into()).spawn(move || state.run(rx))?;
         Ok(Steps { submit, config, rate })
     }
@@ -86,7 +80,8 @@ impl Steps {
         self.config
     }
 
-    /// Prompt tokens computed per second of busy time, recently (0 before any step).
+    /// Prompt tokens per second this worker computes for short prompts, from its cost model
+    /// as corrected by the steps measured so far (0 before any step).
     pub fn tokens_per_s(&self) -> f64 {
         f64::from_bits(self.rate.load(Ordering::Relaxed))
     }
@@ -101,30 +96,12 @@ impl Steps {
     }
 }
 
-/// Tokens and busy time over a sliding window of steps.
-#[derive(Debug, Default)]
-struct Meter {
-    steps: std::collections::VecDeque<(usize, Duration)>,
-}
-
-impl Meter {
-    fn add(&mut self, tokens: usize, took: Duration) -> f64 {
-        self.steps.push_back((tokens, took));
-        while self.steps.len() > 32 {
-            self.steps.pop_front();
-        }
-        let (t, d) = self.steps.iter().fold((0, Duration::ZERO), |(t, d), (a, b)| (t + a, d + *b));
-        t as f64 / d.as_secs_f64().max(1e-6)
-    }
-}
-
 struct Loop {
     engine: Arc<Engine>,
     config: StepConfig,
     cost: CostModel,
     active: Vec<Active>,
     rate: Arc<AtomicU64>,
-    meter: Meter,
 }
 
 impl Loop {
@@ -176,8 +153,7 @@ impl Loop {
         let outcome = self.forward(&planned);
         let took = started.elapsed();
         self.cost.observe(&chunks, took);
-        let tokens = chunks.iter().map(|c| c.0).sum();
-        self.rate.store(self.meter.add(tokens, took).to_bits(), Ordering::Relaxed);
+        self.rate.store(short_prompt_rate(&self.cost).to_bits(), Ordering::Relaxed);
         self.deliver(&planned, outcome, took);
         true
     }
@@ -293,4 +269,10 @@ impl Loop {
             self.active.swap_remove(i);
         }
     }
+}
+
+/// Tokens/s of a step of 256 prompt tokens at no context, as the cost model predicts it.
+fn short_prompt_rate(cost: &CostModel) -> f64 {
+    const TOKENS: usize = 256;
+    TOKENS as f64 / cost.predict(&[(TOKENS, 0)]).as_secs_f64().max(1e-6)
 }

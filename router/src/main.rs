@@ -39,8 +39,9 @@ struct Args {
     /// How often every worker's load is read (milliseconds).
     #[arg(long, env = "PD_REFRESH_MS", default_value_t = 100)]
     refresh_ms: u64,
-    /// Prefill tokens per second assumed for a worker that has not measured its own rate.
-    #[arg(long, default_value_t = 250.0)]
+    /// Prefill tokens per second assumed for a worker that has not measured its own rate
+    /// (the development VM's core does 290-400 for short prompts).
+    #[arg(long, default_value_t = 300.0)]
     prefill_tokens_per_s: f64,
     /// The prefill workers' per-prompt step budget in tokens (their --step-tokens), for wait
     /// estimates.

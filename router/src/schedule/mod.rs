@@ -50,7 +50,7 @@ impl Default for ScheduleConfig {
                 min_prefill_wait: Duration::from_millis(500),
                 min_free_kv: 0.25,
             },
-            prior_tokens_per_s: 250.0,
+            prior_tokens_per_s: 300.0,
             step_budget: 256,
         }
     }
