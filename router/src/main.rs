@@ -43,8 +43,8 @@ struct Args {
     /// (the development VM's core does 290-400 for short prompts).
     #[arg(long, default_value_t = 300.0)]
     prefill_tokens_per_s: f64,
-    /// The prefill workers' per-prompt step budget in tokens (their --step-tokens), for wait
-    /// estimates.
+    /// Tokens of each prompt in flight counted at most when estimating a prefill worker's
+    /// wait for a new short prompt (conditional disaggregation's `min-wait` rule).
     #[arg(long, default_value_t = 256)]
     prefill_step_tokens: usize,
     /// Decode workers, host:port (DNS names are re-resolved on every request).

@@ -35,8 +35,8 @@ pub struct ScheduleConfig {
     pub local: LocalRule,
     /// Prefill tokens/s assumed for a worker that has not measured its own yet.
     pub prior_tokens_per_s: f64,
-    /// Tokens of one prompt a prefill step runs at most (counted for wait estimates); the
-    /// prefill workers' `--step-tokens`.
+    /// Tokens of each prompt in flight counted at most when estimating a prefill worker's
+    /// wait for a new short prompt (about one step's worth: longer prompts run beside it).
     pub step_budget: usize,
 }
 
