@@ -84,15 +84,17 @@ struct Inner {
     released: std::collections::VecDeque<Instant>,
 }
 
-/// Stream ends remembered for the drain rate, and over how long.
+/// Stream ends remembered for the drain rate, over how long, and how many make a rate.
 const DRAIN_SAMPLES: usize = 256;
 const DRAIN_WINDOW: Duration = Duration::from_secs(5);
+const DRAIN_MIN_SAMPLES: usize = 3;
 
 impl Inner {
-    /// Streams ended per second over the last `DRAIN_WINDOW` (None: none ended in it).
+    /// Streams ended per second over the last `DRAIN_WINDOW`; None when too few ended in it
+    /// to tell (a lightly loaded cluster, or one that just started).
     fn drain_rate(&self, now: Instant) -> Option<f64> {
         let n = self.released.iter().filter(|t| now - **t < DRAIN_WINDOW).count();
-        (n > 0).then(|| n as f64 / DRAIN_WINDOW.as_secs_f64())
+        (n >= DRAIN_MIN_SAMPLES).then(|| n as f64 / DRAIN_WINDOW.as_secs_f64())
     }
 }
 
@@ -138,7 +140,7 @@ impl Scheduler {
         // The wait the queue causes (the request's own prefill is not overload): the prefill
         // work ahead at the pool's rate; when no decode worker has room now, the requests
         // ahead and this one each waiting for a stream to end (a p95 at the rate streams
-        // ended lately; none ended: the decode side is stalled as far as the router knows);
+        // ended lately; too few ended to tell: not counted);
         // and at least as long again as the oldest request ahead has waited.
         let now = Instant::now();
         let ahead_of_me = inner.waiting.iter().filter(|w| w.priority >= class.spec.priority);
@@ -148,7 +150,7 @@ impl Scheduler {
         let decode_wait = if inner.fleet.best_decode(need, itl).is_some() {
             Duration::ZERO
         } else {
-            inner.drain_rate(now).map_or(DRAIN_WINDOW, |r| policy::queue_wait(queued_ahead + 1, Some(r)))
+            policy::queue_wait(queued_ahead + 1, inner.drain_rate(now))
         };
         let prefill_wait = policy::estimated_wait(ahead, 0, rate);
         let wait = prefill_wait.max(decode_wait).max(oldest);
