@@ -145,7 +145,7 @@ async fn one_request_is_one_trace_with_metrics_and_a_record() {
         "stream": true,
         "stream_options": { "include_usage": true },
     });
-    let events = sse_events(&cluster.url("/v1/chat/completions"), &body, &[("x-pd-class", "obs-test")]).await;
+    let events = sse_events(&cluster.url("/v1/chat/completions"), &body, &[("x-pd-class", "batch")]).await;
     let chunks: Vec<Value> = events.iter().filter_map(|(_, d)| serde_json::from_str(d).ok()).collect();
     let streamed_tokens = chunks
         .iter()
@@ -220,7 +220,7 @@ async fn one_request_is_one_trace_with_metrics_and_a_record() {
     assert_eq!(int_attr(root, "gen_ai.request.max_tokens"), Some(12));
 
     // --- metrics ------------------------------------------------------------------------
-    let labels = format!("class=\"obs-test\",input_bucket=\"{bucket}\"");
+    let labels = format!("class=\"batch\",input_bucket=\"{bucket}\"");
     let router = parse_prometheus(&Cluster::scrape(&cluster.http).await);
     assert_eq!(sample(&router, &format!("pd_time_to_first_token_seconds_count{{{labels}}}")), 1.0);
     assert_eq!(
@@ -229,7 +229,7 @@ async fn one_request_is_one_trace_with_metrics_and_a_record() {
     );
     assert_eq!(sample(&router, &format!("pd_e2e_request_latency_seconds_count{{{labels}}}")), 1.0);
     assert_eq!(sample(&router, &format!("pd_time_to_first_token_seconds_bucket{{{labels},le=\"+Inf\"}}")), 1.0);
-    assert_eq!(sample(&router, "pd_requests_total{class=\"obs-test\",outcome=\"ok\"}"), 1.0);
+    assert_eq!(sample(&router, "pd_requests_total{class=\"batch\",outcome=\"ok\"}"), 1.0);
     let prefill = parse_prometheus(&Cluster::scrape(&cluster.prefill_metrics[0]).await);
     assert_eq!(sample(&prefill, "pd_kv_transfer_bytes_total"), expected_kv as f64);
     assert_eq!(sample(&prefill, &format!("pd_request_prefill_time_seconds_count{{{labels}}}")), 1.0);
@@ -271,7 +271,7 @@ async fn one_request_is_one_trace_with_metrics_and_a_record() {
     ] {
         assert!(!r[field].is_null(), "record lacks `{field}`: {r}");
     }
-    assert_eq!(r["class"], "obs-test");
+    assert_eq!(r["class"], "batch");
     assert_eq!(r["outcome"], "ok");
     assert_eq!(r["input_tokens"].as_u64(), Some(prompt_tokens as u64));
     assert_eq!(r["output_tokens"].as_u64(), Some(completion_tokens as u64), "output tokens = streamed tokens");
