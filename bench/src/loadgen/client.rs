@@ -17,13 +17,14 @@ pub struct Target {
 }
 
 /// Sends `prompt` (of `input_tokens` tokens) asking for exactly `output_tokens` tokens
-/// (`ignore_eos`), as traffic class `class`; times are ms since `origin`.
+/// (`ignore_eos`); `class` is (the class it is reported under, the `x-pd-class` it is sent
+/// as); times are ms since `origin`.
 #[allow(clippy::too_many_arguments)] // one request's fields, at the load generator's call sites
 pub async fn send(
     client: &reqwest::Client,
     target: &Target,
     origin: Instant,
-    class: &str,
+    (class, header): (&str, &str),
     prompt: String,
     input_tokens: usize,
     output_tokens: usize,
@@ -52,7 +53,7 @@ pub async fn send(
     });
     let request = client
         .post(format!("{}/v1/completions", target.url.trim_end_matches('/')))
-        .header("x-pd-class", class)
+        .header("x-pd-class", header)
         .timeout(target.timeout)
         .json(&body);
     let response = match request.send().await {

@@ -16,6 +16,8 @@ use crate::loadgen::stats::RequestSample;
 #[derive(Debug, Clone)]
 struct Job {
     class: String,
+    /// The `x-pd-class` sent.
+    header: String,
     prompt: String,
     input_tokens: usize,
     output_tokens: usize,
@@ -31,7 +33,13 @@ fn jobs_for(class: &ClassSpec, builder: &PromptBuilder<'_>, seed: u64, count: us
             let input = class.input.draw(rng.unit());
             let output = class.output.draw(rng.unit());
             let prompt = builder.prompt(&mut rng, &prefix, input)?;
-            Ok(Job { class: class.name.clone(), prompt, input_tokens: input, output_tokens: output })
+            Ok(Job {
+                class: class.name.clone(),
+                header: class.header().to_string(),
+                prompt,
+                input_tokens: input,
+                output_tokens: output,
+            })
         })
         .collect()
 }
@@ -154,9 +162,16 @@ impl Driver {
 
     /// Sends one request; returns how long the server asked to wait (429 + Retry-After).
     async fn execute(&self, job: Job) -> Option<Duration> {
-        let sample =
-            send(&self.client, &self.target, self.origin, &job.class, job.prompt, job.input_tokens, job.output_tokens)
-                .await;
+        let sample = send(
+            &self.client,
+            &self.target,
+            self.origin,
+            (&job.class, &job.header),
+            job.prompt,
+            job.input_tokens,
+            job.output_tokens,
+        )
+        .await;
         if sample.error.is_some() {
             self.shared.errors.fetch_add(1, Ordering::Relaxed);
         }

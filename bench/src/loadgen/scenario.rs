@@ -15,7 +15,8 @@
 //! request when the last one ends), `rate=R` (Poisson, R requests/s) or `every=S` (one
 //! request every S seconds). `input`/`output` are `N` or `A..B` (uniform). `prefix=P`: every
 //! request of the class starts with the same P tokens. `start=S` delays the class;
-//! `requests=N` caps it.
+//! `requests=N` caps it. Requests carry the class name as `x-pd-class` (the router's traffic
+//! class), or `as=NAME` when the report's name differs from the server's class.
 
 use serde::Serialize;
 
@@ -67,6 +68,16 @@ pub struct ClassSpec {
     pub prefix_tokens: usize,
     pub start_s: f64,
     pub max_requests: Option<usize>,
+    /// The `x-pd-class` sent (`as=NAME`); None: the class's own name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_class: Option<String>,
+}
+
+impl ClassSpec {
+    /// The traffic class the server is asked for.
+    pub fn header(&self) -> &str {
+        self.server_class.as_deref().unwrap_or(&self.name)
+    }
 }
 
 /// A whole workload, bounded in time and count.
@@ -142,6 +153,7 @@ impl Scenario {
                     prefix_tokens: 0,
                     start_s: 0.0,
                     max_requests: None,
+                    server_class: None,
                 };
                 let mut arrivals = 0;
                 for word in words {
@@ -168,6 +180,7 @@ impl Scenario {
                         "prefix" => class.prefix_tokens = number(line, key, value)?,
                         "start" => class.start_s = number(line, key, value)?,
                         "requests" => class.max_requests = Some(number(line, key, value)?),
+                        "as" => class.server_class = Some(value.to_string()),
                         "ttft_p95_ms" => class.slo.ttft_p95_ms = Some(positive(line, key, value)?),
                         "itl_p95_ms" => class.slo.itl_p95_ms = Some(positive(line, key, value)?),
                         other => return Err(err(line, word, format!("unknown setting `{other}`"))),
@@ -215,6 +228,9 @@ impl Scenario {
                 prefix_tokens: 0,
                 start_s: 0.0,
                 max_requests: Some(requests),
+                // Capacity cells: the router's batch class (long TTFT SLO) queues instead of
+                // refusing, so a cell measures the servers, not interactive admission.
+                server_class: Some("batch".into()),
             }],
         }
     }
@@ -230,7 +246,7 @@ mod tests {
             "# interference\nduration=30 max_requests=50 seed=3\n\
              class interactive concurrency=4 input=64..128 output=128 ttft_p95_ms=2000 itl_p95_ms=150\n\
              class documents every=8 input=2048 output=16 start=2  # periodic\n\
-             class rag rate=0.5 input=512 output=64 prefix=384 requests=10\n",
+             class rag rate=0.5 input=512 output=64 prefix=384 requests=10 as=batch\n",
         )
         .expect("valid");
         assert_eq!((s.duration_s, s.max_requests, s.seed), (30.0, 50, 3));
@@ -242,6 +258,7 @@ mod tests {
         assert_eq!(s.classes[1].start_s, 2.0);
         assert_eq!(s.classes[2].arrival, Arrival::Poisson { rate_per_s: 0.5 });
         assert_eq!((s.classes[2].prefix_tokens, s.classes[2].max_requests), (384, Some(10)));
+        assert_eq!((s.classes[0].header(), s.classes[2].header()), ("interactive", "batch"));
     }
 
     #[test]
