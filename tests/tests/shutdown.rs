@@ -159,13 +159,23 @@ async fn prefill_worker_finishes_the_prefill_it_accepted() {
     assert_eq!(body["usage"]["completion_tokens"], 4);
     let status = cluster.prefill[0].exited(Duration::from_secs(10)).await.expect("exits once idle");
     assert!(status.success(), "{status}");
-    let refused = reqwest::Client::new()
+    // The router notices at its next refresh (readiness fails: the prefill pool is empty) and
+    // then prefills on the decode worker instead of failing the request.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while reqwest::get(cluster.url("/ready")).await.is_ok_and(|r| r.status().is_success()) {
+        assert!(Instant::now() < deadline, "the router still reports a prefill worker");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let served = reqwest::Client::new()
         .post(&url)
         .json(&json!({ "model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2 }))
         .send()
         .await
         .expect("request");
-    assert_eq!(refused.status().as_u16(), 503, "no prefill worker is left");
+    assert_eq!(served.status().as_u16(), 200, "served by the decode worker");
+    let metrics = reqwest::get(cluster.url("/metrics")).await.expect("metrics").text().await.expect("text");
+    let line = "pd_route_decisions_total{reason=\"no_prefill_worker\",where=\"local\"} 1";
+    assert!(metrics.contains(line), "{line} in\n{metrics}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
