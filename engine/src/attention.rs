@@ -306,7 +306,8 @@ mod tests {
             rms_norm_eps: 1e-5,
             rope_style: RopeStyle::Halves,
         };
-        let cache = KvCache::new(&model, &CacheConfig { block_size: 4, num_blocks: 8 }, &Device::Cpu)?;
+        let cache =
+            KvCache::new(&model, &CacheConfig { block_size: 4, num_blocks: 8, prefix_cache: false }, &Device::Cpu)?;
         let slots_total = 32;
         let k = Tensor::randn(0f32, 1.0, (slots_total, 16), &Device::Cpu)?;
         let v = Tensor::randn(0f32, 1.0, (slots_total, 16), &Device::Cpu)?;

@@ -173,6 +173,8 @@ pub struct CacheConfig {
     pub block_size: usize,
     /// Blocks in the cache (memory = num_blocks * block_size * kv_bytes_per_token(4)).
     pub num_blocks: usize,
+    /// Keep full blocks of finished prompts content-addressed for reuse (prefix caching).
+    pub prefix_cache: bool,
 }
 
 impl CacheConfig {
@@ -180,7 +182,7 @@ impl CacheConfig {
 
     /// A cache of `num_blocks` blocks of the default size.
     pub fn with_blocks(num_blocks: usize) -> Self {
-        CacheConfig { block_size: Self::DEFAULT_BLOCK_SIZE, num_blocks }
+        CacheConfig { block_size: Self::DEFAULT_BLOCK_SIZE, num_blocks, prefix_cache: true }
     }
 
     pub fn validate(&self) -> Result<()> {

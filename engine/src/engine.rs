@@ -13,6 +13,7 @@ use crate::error::{EngineError, Result};
 use crate::kv::blocks::BlockManager;
 use crate::kv::cache::{KvCache, SequenceKv};
 use crate::kv::export::{self, WireDType};
+use crate::kv::prefix;
 use crate::loader::gguf::GgufFile;
 use crate::loader::hf::HfFolder;
 use crate::model::{BatchSeq, Model};
@@ -111,8 +112,14 @@ pub struct Engine {
 impl Engine {
     pub fn new(loaded: LoadedModel, cache: CacheConfig) -> Result<Self> {
         let kv = KvCache::new(loaded.model.config(), &cache, loaded.model.device())?;
+        let blocks = if cache.prefix_cache {
+            let seed = prefix::hash_seed(loaded.model.fingerprint(), cache.block_size);
+            BlockManager::with_prefix_cache(cache.num_blocks, cache.block_size, seed)
+        } else {
+            kv.block_manager()
+        };
         Ok(Engine {
-            blocks: kv.block_manager(),
+            blocks,
             cache: kv,
             model: loaded.model,
             tokenizer: loaded.tokenizer,
@@ -208,6 +215,7 @@ impl Engine {
     }
 
     /// Generates from `prompt` in a fresh sequence, calling `on_token` for every token.
+    /// The prompt's cached prefix is reused and its full blocks are cached for later prompts.
     pub fn generate(
         &self,
         prompt: &[u32],
@@ -215,9 +223,30 @@ impl Engine {
         chunk: usize,
         mut on_token: impl FnMut(&TokenOutput),
     ) -> Result<Generation> {
-        let mut kv = self.new_sequence();
-        let logits = self.prefill(&mut kv, prompt, chunk)?;
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidBatch("empty prompt".into()));
+        }
+        let (mut kv, cached) = self.sequence_for_prompt(prompt, prompt.len())?;
+        let logits = self.prefill(&mut kv, &prompt[cached..], chunk)?;
+        self.cache_prefix(&mut kv, prompt);
         self.continue_generation(kv, logits, params, &mut on_token)
+    }
+
+    /// A sequence for `prompt` with blocks for `capacity` tokens, whose leading blocks are the
+    /// prompt's cached prefix (shared, already computed), and how many tokens those hold: the
+    /// prefill starts at that position.
+    pub fn sequence_for_prompt(&self, prompt: &[u32], capacity: usize) -> Result<(SequenceKv, usize)> {
+        let (blocks, cached) = self.blocks.allocate_prefix(prompt, capacity)?;
+        let mut kv = SequenceKv::new(blocks);
+        kv.commit_len(cached);
+        Ok((kv, cached))
+    }
+
+    /// Offers the full blocks of `kv`, whose first `tokens.len()` positions hold `tokens`'
+    /// K/V, to the prefix cache.
+    pub fn cache_prefix(&self, kv: &mut SequenceKv, tokens: &[u32]) {
+        let valid = tokens.len().min(kv.len());
+        self.blocks.register(kv.blocks_mut(), &tokens[..valid]);
     }
 
     /// Generates from a sequence whose KV holds the prompt and whose next-token logits are

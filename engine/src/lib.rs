@@ -25,6 +25,7 @@ pub use error::{EngineError, Result};
 pub use kv::blocks::{BlockAllocation, BlockId, BlockManager};
 pub use kv::cache::{KvCache, SequenceKv};
 pub use kv::export::{KvHeader, WireDType};
+pub use kv::prefix::{BlockEvent, BlockEventKind, BlockHash, EventsSince};
 pub use model::{BatchSeq, Model};
 pub use sampling::{FinishReason, OutputTracker, Sampler, SamplingParams, TokenOutput};
 pub use tokenizer::Tokenizer;

@@ -1,21 +1,103 @@
-//! Block bookkeeping for the paged KV cache: ids, a free list and usage, with no tensors.
+//! Block bookkeeping for the paged KV cache: ids, reference counts, the prefix cache of full
+//! blocks and usage, with no tensors.
 //!
-//! Invariants: every block id is either on the free list or owned by exactly one
-//! `BlockAllocation`; an allocation gives its blocks back when dropped, so a sequence that
-//! ends by any path (finish, error, cancel, panic unwinding) cannot leak blocks.
+//! Every block is in one of three states: free (no content), held (reference count > 0, by
+//! one sequence, or by several when it is a shared cached prefix block) or cached (count 0,
+//! content-addressed, reusable until evicted). Allocation takes free blocks first, then
+//! evicts cached ones least recently released first; a sequence releases its blocks last
+//! block first, so a prefix's tail is evicted before its head. A held block is never
+//! evicted, and a shared block is never written: sharing covers only full blocks before a
+//! sequence's first computed token. An allocation gives its blocks back when dropped, so a
+//! sequence that ends by any path (finish, error, cancel, panic unwinding) cannot leak.
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::prefix::{self, BlockEventKind, BlockHash, EventLog, EventsSince};
 use crate::error::{EngineError, Result};
 
 /// Index of a block in the KV cache tensors.
 pub type BlockId = u32;
 
+/// Events kept for followers (the router) between two of their polls.
+const EVENT_LOG: usize = 16_384;
+
 #[derive(Debug)]
 struct Pool {
-    /// Free block ids; allocation pops from the end (most recently freed first, warm memory).
+    /// Blocks with no content; allocation pops from the end (most recently freed first).
     free: Vec<BlockId>,
+    refs: Vec<u32>,
+    /// The content address of a block the cache table points at.
+    hash: Vec<Option<BlockHash>>,
+    table: HashMap<BlockHash, BlockId>,
+    /// Cached blocks nobody holds, by release tick (lowest evicted first).
+    evictable: BTreeMap<u64, BlockId>,
+    released_at: Vec<u64>,
+    tick: u64,
+    log: EventLog,
     total: usize,
+    /// Prompt tokens looked up and found (vLLM's prefix_cache_queries / _hits).
+    queried_tokens: u64,
+    hit_tokens: u64,
+}
+
+impl Pool {
+    /// Blocks an allocation can take now (free or evictable).
+    fn available(&self) -> usize {
+        self.free.len() + self.evictable.len()
+    }
+
+    fn take(&mut self, count: usize) -> Result<Vec<BlockId>> {
+        if self.available() < count {
+            return Err(EngineError::OutOfBlocks { needed: count, free: self.available(), total: self.total });
+        }
+        let from_free = count.min(self.free.len());
+        let mut ids = self.free.split_off(self.free.len() - from_free);
+        while ids.len() < count {
+            let Some((_, id)) = self.evictable.pop_first() else { break };
+            if let Some(h) = self.hash[id as usize].take() {
+                self.table.remove(&h);
+                self.log.push(BlockEventKind::Removed, h);
+            }
+            ids.push(id);
+        }
+        for &id in &ids {
+            self.refs[id as usize] = 1;
+        }
+        Ok(ids)
+    }
+
+    /// Takes another reference on a cached or held block.
+    fn hold(&mut self, id: BlockId) {
+        let i = id as usize;
+        if self.refs[i] == 0 {
+            self.evictable.remove(&self.released_at[i]);
+        }
+        self.refs[i] += 1;
+    }
+
+    /// Drops one reference from each of `ids`, last block first.
+    fn release(&mut self, ids: &[BlockId]) {
+        for &id in ids.iter().rev() {
+            let i = id as usize;
+            self.refs[i] = self.refs[i].saturating_sub(1);
+            if self.refs[i] > 0 {
+                continue;
+            }
+            if self.hash[i].is_some() {
+                self.tick += 1;
+                self.released_at[i] = self.tick;
+                self.evictable.insert(self.tick, id);
+            } else {
+                self.free.push(id);
+            }
+        }
+    }
+
+    /// Leading blocks of `hashes` that the table holds.
+    fn lookup(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
+        hashes.iter().map_while(|h| self.table.get(h).copied()).collect()
+    }
 }
 
 /// Shared handle to the block pool. Cloning is cheap; all clones see one pool.
@@ -23,12 +105,37 @@ struct Pool {
 pub struct BlockManager {
     pool: Arc<Mutex<Pool>>,
     block_size: usize,
+    /// Hash seed of this pool's prefix cache; None when prefix caching is off.
+    seed: Option<u64>,
 }
 
 impl BlockManager {
+    /// A pool without prefix caching.
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
-        let free = (0..num_blocks as BlockId).rev().collect();
-        BlockManager { pool: Arc::new(Mutex::new(Pool { free, total: num_blocks })), block_size }
+        BlockManager::build(num_blocks, block_size, None)
+    }
+
+    /// A pool whose full blocks are content-addressed with hashes seeded by `seed`
+    /// (`prefix::hash_seed` of the model and block size).
+    pub fn with_prefix_cache(num_blocks: usize, block_size: usize, seed: u64) -> Self {
+        BlockManager::build(num_blocks, block_size, Some(seed))
+    }
+
+    fn build(num_blocks: usize, block_size: usize, seed: Option<u64>) -> Self {
+        let pool = Pool {
+            free: (0..num_blocks as BlockId).rev().collect(),
+            refs: vec![0; num_blocks],
+            hash: vec![None; num_blocks],
+            table: HashMap::new(),
+            evictable: BTreeMap::new(),
+            released_at: vec![0; num_blocks],
+            tick: 0,
+            log: EventLog::new(EVENT_LOG),
+            total: num_blocks,
+            queried_tokens: 0,
+            hit_tokens: 0,
+        };
+        BlockManager { pool: Arc::new(Mutex::new(pool)), block_size, seed }
     }
 
     fn lock(&self) -> MutexGuard<'_, Pool> {
@@ -40,21 +147,45 @@ impl BlockManager {
         self.block_size
     }
 
+    /// The prefix hash seed, when prefix caching is on.
+    pub fn prefix_seed(&self) -> Option<u64> {
+        self.seed
+    }
+
     pub fn total_blocks(&self) -> usize {
         self.lock().total
     }
 
+    /// Blocks an allocation can take now: free ones and cached ones nobody holds.
     pub fn free_blocks(&self) -> usize {
-        self.lock().free.len()
+        self.lock().available()
     }
 
-    /// Fraction of blocks in use, 0.0 ..= 1.0.
+    /// Blocks whose content is cached (held or not).
+    pub fn cached_blocks(&self) -> usize {
+        self.lock().table.len()
+    }
+
+    /// Blocks held by sequences (reference count above zero).
+    pub fn held_blocks(&self) -> usize {
+        let pool = self.lock();
+        pool.total - pool.available()
+    }
+
+    /// Fraction of blocks held by sequences, 0.0 ..= 1.0 (cached blocks nobody holds count as
+    /// free: an allocation may take them).
     pub fn usage_ratio(&self) -> f64 {
         let pool = self.lock();
         if pool.total == 0 {
             return 0.0;
         }
-        (pool.total - pool.free.len()) as f64 / pool.total as f64
+        (pool.total - pool.available()) as f64 / pool.total as f64
+    }
+
+    /// Prompt tokens looked up in the prefix cache and tokens found there, since the start.
+    pub fn prefix_stats(&self) -> (u64, u64) {
+        let pool = self.lock();
+        (pool.queried_tokens, pool.hit_tokens)
     }
 
     /// Blocks needed to hold `tokens` tokens.
@@ -64,29 +195,89 @@ impl BlockManager {
 
     /// Takes `count` blocks, or none at all if fewer are free.
     pub fn allocate(&self, count: usize) -> Result<BlockAllocation> {
-        let ids = self.take(count)?;
-        Ok(BlockAllocation { ids, manager: self.clone() })
+        let ids = self.lock().take(count)?;
+        Ok(BlockAllocation { ids, hashes: Vec::new(), manager: self.clone() })
     }
 
     /// An allocation that owns no blocks yet (grows with `ensure_tokens`).
     pub fn empty_allocation(&self) -> BlockAllocation {
-        BlockAllocation { ids: Vec::new(), manager: self.clone() }
+        BlockAllocation { ids: Vec::new(), hashes: Vec::new(), manager: self.clone() }
     }
 
-    fn take(&self, count: usize) -> Result<Vec<BlockId>> {
+    /// Blocks for a sequence of `capacity` tokens starting with `prompt`, reusing the cached
+    /// full blocks of the prompt's longest cached prefix, and the number of tokens they hold.
+    /// At least the prompt's last token is left to compute (its logits are needed), so the
+    /// cached part is at most the full blocks before it. All or nothing.
+    pub fn allocate_prefix(&self, prompt: &[u32], capacity: usize) -> Result<(BlockAllocation, usize)> {
+        let needed = self.blocks_for(capacity.max(prompt.len()));
+        let Some(seed) = self.seed else { return Ok((self.allocate(needed)?, 0)) };
+        let usable = prompt.len().saturating_sub(1) / self.block_size;
+        let hashes = prefix::prefix_hashes(seed, self.block_size, &prompt[..usable * self.block_size]);
         let mut pool = self.lock();
-        if pool.free.len() < count {
-            return Err(EngineError::OutOfBlocks { needed: count, free: pool.free.len(), total: pool.total });
+        let mut ids = pool.lookup(&hashes);
+        for &id in &ids {
+            pool.hold(id);
         }
-        let at = pool.free.len() - count;
-        Ok(pool.free.split_off(at))
+        match pool.take(needed - ids.len()) {
+            Ok(mut fresh) => {
+                let cached = ids.len() * self.block_size;
+                pool.queried_tokens += prompt.len() as u64;
+                pool.hit_tokens += cached as u64;
+                drop(pool);
+                let hashes = hashes[..ids.len()].to_vec();
+                ids.append(&mut fresh);
+                Ok((BlockAllocation { ids, hashes, manager: self.clone() }, cached))
+            }
+            Err(e) => {
+                pool.release(&ids);
+                Err(e)
+            }
+        }
     }
 
-    fn give_back(&self, ids: &mut Vec<BlockId>) {
-        if ids.is_empty() {
-            return;
+    /// Cached tokens of `prompt`'s longest cached prefix (full blocks before its last token),
+    /// without taking anything.
+    pub fn cached_prefix_tokens(&self, prompt: &[u32]) -> usize {
+        let Some(seed) = self.seed else { return 0 };
+        let usable = prompt.len().saturating_sub(1) / self.block_size;
+        let hashes = prefix::prefix_hashes(seed, self.block_size, &prompt[..usable * self.block_size]);
+        self.lock().lookup(&hashes).len() * self.block_size
+    }
+
+    /// Makes the full blocks of `alloc` whose K/V hold `tokens` (positions 0.. of the
+    /// sequence, all computed) reusable by later sequences. Hashes are computed once per block;
+    /// a block whose content another block already caches stays private (freed, not cached).
+    pub fn register(&self, alloc: &mut BlockAllocation, tokens: &[u32]) {
+        let Some(seed) = self.seed else { return };
+        let before = alloc.hashes.len();
+        let full = (tokens.len() / self.block_size).min(alloc.ids.len());
+        prefix::extend_hashes(seed, self.block_size, &tokens[..full * self.block_size], &mut alloc.hashes);
+        let mut pool = self.lock();
+        for i in before..alloc.hashes.len() {
+            let (h, id) = (alloc.hashes[i], alloc.ids[i]);
+            if pool.hash[id as usize].is_some() || pool.table.contains_key(&h) {
+                continue;
+            }
+            pool.table.insert(h, id);
+            pool.hash[id as usize] = Some(h);
+            pool.log.push(BlockEventKind::Stored, h);
         }
-        self.lock().free.append(ids);
+    }
+
+    /// Sequence number of the last cache event (0 before any).
+    pub fn last_event(&self) -> u64 {
+        self.lock().log.last_seq()
+    }
+
+    /// Cache events after `after`, at most `limit`.
+    pub fn events_since(&self, after: u64, limit: usize) -> EventsSince {
+        self.lock().log.since(after, limit)
+    }
+
+    /// Every cached hash and the sequence number they are current at (a follower's resync).
+    pub fn cached_snapshot(&self) -> (u64, Vec<BlockHash>) {
+        let pool = self.lock();
+        (pool.log.last_seq(), pool.table.keys().copied().collect())
     }
 }
 
@@ -94,6 +285,8 @@ impl BlockManager {
 #[derive(Debug)]
 pub struct BlockAllocation {
     ids: Vec<BlockId>,
+    /// Content addresses of the leading full blocks, as far as they were computed.
+    hashes: Vec<BlockHash>,
     manager: BlockManager,
 }
 
@@ -115,7 +308,7 @@ impl BlockAllocation {
     pub fn ensure_tokens(&mut self, tokens: usize) -> Result<()> {
         let needed = self.manager.blocks_for(tokens);
         if needed > self.ids.len() {
-            let mut more = self.manager.take(needed - self.ids.len())?;
+            let mut more = self.manager.lock().take(needed - self.ids.len())?;
             self.ids.append(&mut more);
         }
         Ok(())
@@ -127,8 +320,20 @@ impl BlockAllocation {
         if !Arc::ptr_eq(&self.manager.pool, &other.manager.pool) {
             return Err(EngineError::InvalidBatch("blocks from another pool".into()));
         }
+        if self.hashes.len() == self.ids.len() && other.hashes.len() == other.ids.len() {
+            // Both are whole runs of hashed blocks; otherwise later hashes are recomputed.
+            self.hashes.append(&mut other.hashes);
+        }
         self.ids.append(&mut other.ids);
         Ok(())
+    }
+
+    /// Splits off the blocks from index `at` on into their own allocation (e.g. the part of a
+    /// reservation a KV transfer writes, apart from the cached prefix it must not touch).
+    pub fn split_off(&mut self, at: usize) -> BlockAllocation {
+        let at = at.min(self.ids.len());
+        self.hashes.truncate(at);
+        BlockAllocation { ids: self.ids.split_off(at), hashes: Vec::new(), manager: self.manager.clone() }
     }
 
     /// Cache slot (block * block_size + offset) of logical token position `pos`.
@@ -140,73 +345,11 @@ impl BlockAllocation {
 
 impl Drop for BlockAllocation {
     fn drop(&mut self) {
-        self.manager.give_back(&mut self.ids);
+        if !self.ids.is_empty() {
+            self.manager.lock().release(&self.ids);
+        }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn allocation_returns_blocks_on_drop() {
-        let manager = BlockManager::new(8, 16);
-        let a = manager.allocate(3).expect("3 of 8");
-        let b = manager.allocate(5).expect("5 of 5");
-        assert_eq!(manager.free_blocks(), 0);
-        assert!((manager.usage_ratio() - 1.0).abs() < 1e-12);
-        let mut all: Vec<_> = a.ids().iter().chain(b.ids()).copied().collect();
-        all.sort_unstable();
-        assert_eq!(all, (0..8).collect::<Vec<_>>(), "ids are distinct and cover the pool");
-        drop(a);
-        assert_eq!(manager.free_blocks(), 3);
-        drop(b);
-        assert_eq!(manager.free_blocks(), 8);
-        assert_eq!(manager.usage_ratio(), 0.0);
-    }
-
-    #[test]
-    fn absorb_moves_blocks_and_refuses_other_pools() {
-        let manager = BlockManager::new(6, 4);
-        let mut a = manager.allocate(2).expect("2");
-        let b = manager.allocate(3).expect("3");
-        let b_ids = b.ids().to_vec();
-        a.absorb(b).expect("same pool");
-        assert_eq!(&a.ids()[2..], b_ids.as_slice());
-        assert_eq!(manager.free_blocks(), 1);
-        let other = BlockManager::new(2, 4);
-        assert!(a.absorb(other.allocate(1).expect("1")).is_err());
-        assert_eq!(other.free_blocks(), 2, "refused blocks go back to their pool");
-        drop(a);
-        assert_eq!(manager.free_blocks(), 6);
-    }
-
-    #[test]
-    fn out_of_blocks_is_an_error_and_takes_nothing() {
-        let manager = BlockManager::new(4, 16);
-        let _held = manager.allocate(3).expect("3 of 4");
-        let err = manager.allocate(2).expect_err("only 1 free");
-        assert!(matches!(err, EngineError::OutOfBlocks { needed: 2, free: 1, total: 4 }));
-        assert!(err.to_string().contains("out of KV blocks"));
-        assert_eq!(manager.free_blocks(), 1);
-    }
-
-    #[test]
-    fn ensure_tokens_grows_all_or_nothing_and_maps_slots() {
-        let manager = BlockManager::new(3, 4);
-        let mut alloc = manager.empty_allocation();
-        alloc.ensure_tokens(5).expect("2 blocks");
-        assert_eq!(alloc.ids().len(), 2);
-        assert_eq!(alloc.capacity_tokens(), 8);
-        let first = alloc.ids()[0] as usize;
-        let second = alloc.ids()[1] as usize;
-        assert_eq!(alloc.slot(0), Some(first * 4));
-        assert_eq!(alloc.slot(5), Some(second * 4 + 1));
-        assert_eq!(alloc.slot(8), None);
-        assert!(alloc.ensure_tokens(13).is_err(), "needs 4 blocks, pool has 3");
-        assert_eq!(alloc.ids().len(), 2, "failed growth keeps what it had");
-        assert_eq!(manager.free_blocks(), 1);
-        drop(alloc);
-        assert_eq!(manager.free_blocks(), 3);
-    }
-}
+mod tests;

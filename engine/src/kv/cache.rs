@@ -118,7 +118,7 @@ impl SequenceKv {
         &self.blocks
     }
 
-    pub(crate) fn blocks_mut(&mut self) -> &mut BlockAllocation {
+    pub fn blocks_mut(&mut self) -> &mut BlockAllocation {
         &mut self.blocks
     }
 
