@@ -65,8 +65,8 @@ impl std::str::FromStr for PrefillPolicy {
 pub enum Start {
     /// The KV holds the prompt (a prefill worker sent it) and this is the first token.
     Prefilled { first_token: u32 },
-    /// The prompt runs here, in the batch.
-    Prompt(Vec<u32>),
+    /// The prompt runs here, in the batch, from position `from` (before it: its cached prefix).
+    Prompt { from: usize },
 }
 
 /// What the decode worker measured before the sequence joined.
@@ -81,8 +81,11 @@ pub struct Received {
 pub struct Admission {
     pub kv: SequenceKv,
     pub start: Start,
+    /// The whole prompt (its full blocks join the prefix cache).
+    pub prompt: Vec<u32>,
     pub params: SamplingParams,
-    pub prompt_tokens: usize,
+    /// Leading prompt tokens found in the prefix cache (not computed or shipped for this request).
+    pub cached_tokens: usize,
     pub received: Received,
     pub events: mpsc::UnboundedSender<Event>,
     /// `decode.generate`, ended when the sequence leaves the batch.
@@ -93,7 +96,7 @@ pub struct Admission {
 #[derive(Debug)]
 enum Phase {
     /// Prompt tokens `done..` still to run.
-    Prompt { tokens: Vec<u32>, done: usize },
+    Prompt { done: usize },
     /// The next token to feed.
     Decode { next: u32 },
 }
@@ -115,12 +118,24 @@ struct Running {
     phase: Phase,
     sampler: Sampler,
     tracker: OutputTracker,
-    prompt_tokens: usize,
+    prompt: Vec<u32>,
+    cached_tokens: usize,
     received: Received,
     clock: Clock,
     events: mpsc::UnboundedSender<Event>,
     span: StageSpan,
     labels: StageLabels,
+}
+
+impl Drop for Running {
+    /// However the sequence leaves, the full blocks it computed join the prefix cache: a later
+    /// turn of the same chat resends the prompt and this answer.
+    fn drop(&mut self) {
+        if matches!(self.phase, Phase::Decode { .. }) {
+            let tokens: Vec<u32> = self.prompt.iter().chain(self.tracker.generated()).copied().collect();
+            self.kv.cache_prefix(&tokens);
+        }
+    }
 }
 
 impl Running {
@@ -133,7 +148,8 @@ impl Running {
     fn finished_event(&self, finish: pd_engine::FinishReason, decode_ms: f64) -> Event {
         event(pb::decode_event::Event::Finished(pb::Finished {
             finish_reason: finish.as_str().to_string(),
-            prompt_tokens: self.prompt_tokens as u32,
+            prompt_tokens: self.prompt.len() as u32,
+            cached_tokens: self.cached_tokens as u32,
             completion_tokens: self.tracker.generated().len() as u32,
             kv_transfer_ms: self.received.kv_transfer_ms,
             decode_ms,
@@ -172,16 +188,17 @@ impl Running {
     /// Counts `take` prompt tokens as computed at a step that began at `step_started`; true
     /// when the prompt is complete (its last row's logits give the first token).
     fn advance_prompt(&mut self, take: usize, step_started: Instant) -> bool {
-        let Phase::Prompt { tokens, done } = &mut self.phase else { return true };
+        let Phase::Prompt { done } = &mut self.phase else { return true };
         if self.clock.prefill_started.is_none() {
             self.clock.prefill_started = Some(step_started);
             self.clock.queue_ms = (step_started - self.clock.admitted).as_secs_f64() * 1e3;
         }
         *done += take;
         self.span.event("prefill.chunk", vec![KeyValue::new("pd.chunk.tokens", take as i64)]);
-        if *done < tokens.len() {
+        if *done < self.prompt.len() {
             return false;
         }
+        self.kv.cache_prefix(&self.prompt);
         self.clock.prefill_ms = self.clock.prefill_started.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
         self.clock.started = Instant::now();
         true
@@ -228,7 +245,7 @@ impl BatchState {
         };
         let (phase, first) = match a.start {
             Start::Prefilled { first_token } => (Phase::Decode { next: first_token }, Some(first_token)),
-            Start::Prompt(tokens) => (Phase::Prompt { tokens, done: 0 }, None),
+            Start::Prompt { from } => (Phase::Prompt { done: from.min(a.prompt.len()) }, None),
         };
         let now = Instant::now();
         let mut seq = Running {
@@ -236,7 +253,8 @@ impl BatchState {
             kv: a.kv,
             phase,
             sampler,
-            prompt_tokens: a.prompt_tokens,
+            prompt: a.prompt,
+            cached_tokens: a.cached_tokens,
             received: a.received,
             clock: Clock { admitted: now, prefill_started: None, queue_ms: 0.0, prefill_ms: 0.0, started: now },
             events: a.events,
@@ -281,7 +299,7 @@ impl BatchState {
         };
         let takes = self.running.iter().map(|s| match &s.phase {
             Phase::Decode { .. } => 1,
-            Phase::Prompt { tokens, done } => take_prompt(tokens.len() - done),
+            Phase::Prompt { done } => take_prompt(s.prompt.len() - done),
         });
         takes.collect()
     }
@@ -290,7 +308,7 @@ impl BatchState {
     pub fn inputs(&self, takes: &[usize]) -> Vec<Vec<u32>> {
         let rows = self.running.iter().zip(takes).map(|(s, &take)| match &s.phase {
             Phase::Decode { next } => vec![*next],
-            Phase::Prompt { tokens, done } => tokens[*done..*done + take].to_vec(),
+            Phase::Prompt { done } => s.prompt[*done..*done + take].to_vec(),
         });
         rows.collect()
     }
@@ -302,7 +320,7 @@ impl BatchState {
         rows.map(|(s, tokens)| {
             let want_logits = match &s.phase {
                 Phase::Decode { .. } => true,
-                Phase::Prompt { tokens: prompt, done } => done + tokens.len() == prompt.len(),
+                Phase::Prompt { done } => done + tokens.len() == s.prompt.len(),
             };
             BatchSeq { tokens, kv: &mut s.kv, want_logits }
         })

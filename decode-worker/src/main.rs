@@ -24,6 +24,9 @@ struct Args {
     /// Weights in memory: f16, f32, q8 or stored.
     #[arg(long, default_value = "f16")]
     weights: WeightFormat,
+    /// Turn off the prefix cache (every prompt computed and shipped from its first token).
+    #[arg(long, env = "PD_NO_PREFIX_CACHE")]
+    no_prefix_cache: bool,
     /// KV cache blocks (of 16 tokens).
     #[arg(long, env = "PD_KV_BLOCKS", default_value_t = 2048)]
     kv_blocks: usize,
@@ -82,7 +85,7 @@ fn config(args: &Args) -> anyhow::Result<pd_decode::Config> {
     let config = pd_decode::Config {
         model: args.model.clone(),
         load: LoadOptions { weights: args.weights, device: args.device },
-        cache: CacheConfig::with_blocks(args.kv_blocks),
+        cache: CacheConfig { prefix_cache: !args.no_prefix_cache, ..CacheConfig::with_blocks(args.kv_blocks) },
         kv_dtype,
         lease: Duration::from_millis(args.lease_ms),
         advertise: args.advertise.clone(),

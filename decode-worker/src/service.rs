@@ -61,6 +61,14 @@ struct Checked {
 struct Reserved {
     target: Target,
     outcome: oneshot::Receiver<Outcome>,
+    held: Held,
+}
+
+/// The blocks a reservation holds beside the transfer's.
+struct Held {
+    /// The prompt's cached prefix blocks and the tokens they hold.
+    prefix: BlockAllocation,
+    cached: usize,
     /// The output's blocks, joined to the prompt's once the KV is committed.
     growth: BlockAllocation,
 }
@@ -75,6 +83,7 @@ impl DecodeService {
     pub fn refresh_gauges(&self) {
         self.metrics.running.set(self.batcher.running() as f64);
         self.metrics.kv_usage.set(self.engine.blocks().usage_ratio());
+        self.metrics.prefix.cached_blocks.set(self.engine.blocks().cached_blocks() as f64);
     }
 
     /// Counts and records a refusal; the status the router gets.
@@ -106,49 +115,60 @@ impl DecodeService {
         Ok(Checked { request_id: req.request_id, prompt: req.prompt_tokens, params, lease, parent, labels })
     }
 
-    /// Blocks for the prompt and the whole output (so decoding never runs out of KV), the
-    /// prompt's under a transfer reservation.
+    /// Blocks for the prompt and the whole output (so decoding never runs out of KV): the
+    /// prompt's cached prefix (shared, held from now on), its uncached rest under a transfer
+    /// reservation (the only part a prefill worker ships), and the output's.
     fn reserve(&self, c: &Checked, admit: &StageSpan) -> Result<Reserved, DecodeError> {
         let blocks = self.engine.blocks();
-        let prompt_blocks = blocks.blocks_for(c.prompt.len());
-        let total_blocks = blocks.blocks_for(c.prompt.len() + c.params.max_tokens);
-        let prompt_alloc = blocks.allocate(prompt_blocks).map_err(DecodeError::OutOfBlocks)?;
-        let growth = blocks.allocate(total_blocks - prompt_blocks).map_err(DecodeError::OutOfBlocks)?;
+        let capacity = c.prompt.len() + c.params.max_tokens;
+        let (mut prefix, cached) = blocks.allocate_prefix(&c.prompt, capacity).map_err(DecodeError::OutOfBlocks)?;
+        let growth = prefix.split_off(blocks.blocks_for(c.prompt.len()));
+        let suffix = prefix.split_off(cached / blocks.block_size());
         let geometry = geometry_of(&self.engine, self.kv_dtype);
         let target = Target {
             transfer_id: c.request_id.clone(),
             kv_endpoint: self.kv_endpoint.clone(),
             geometry,
-            block_ids: prompt_alloc.ids().to_vec(),
+            block_ids: suffix.ids().to_vec(),
             lease_deadline: SystemTime::now() + c.lease,
+            cached_tokens: cached as u32,
         };
         let reservation = Reservation {
             transfer_id: c.request_id.clone(),
             geometry,
-            blocks: prompt_alloc,
-            num_tokens: c.prompt.len() as u32,
+            blocks: suffix,
+            num_tokens: (c.prompt.len() - cached) as u32,
             lease: c.lease,
         };
         let outcome = self.registry.reserve(reservation).map_err(DecodeError::Reservation)?;
-        admit.set("pd.kv.blocks_reserved", total_blocks as i64);
+        self.metrics.prefix.observe(c.prompt.len(), cached);
+        admit.set("pd.kv.blocks_reserved", blocks.blocks_for(capacity) as i64);
         admit.set("pd.kv.free_blocks_after", blocks.free_blocks() as i64);
-        Ok(Reserved { target, outcome, growth })
+        admit.set("pd.prefix.cached_tokens", cached as i64);
+        Ok(Reserved { target, outcome, held: Held { prefix, cached, growth } })
     }
 
-    /// A prompt that runs here: blocks for prompt and output now, no KV target, no transfer.
-    fn admit_local(&self, c: Checked, events: mpsc::UnboundedSender<Event>) -> Result<(), DecodeError> {
-        let blocks = self.engine.blocks();
-        let alloc = blocks.allocate(blocks.blocks_for(c.prompt.len() + c.params.max_tokens));
-        let kv = SequenceKv::new(alloc.map_err(DecodeError::OutOfBlocks)?);
+    /// A prompt that runs here: blocks for prompt and output now (its cached prefix shared),
+    /// no KV target, no transfer.
+    fn admit_local(
+        &self,
+        c: Checked,
+        events: mpsc::UnboundedSender<Event>,
+        admit: &StageSpan,
+    ) -> Result<(), DecodeError> {
+        let capacity = c.prompt.len() + c.params.max_tokens;
+        let (kv, cached) = self.engine.sequence_for_prompt(&c.prompt, capacity).map_err(DecodeError::OutOfBlocks)?;
+        self.metrics.prefix.observe(c.prompt.len(), cached);
+        admit.set("pd.prefix.cached_tokens", cached as i64);
         let span = StageSpan::start("decode.generate", &c.parent);
         span.set("pd.request_id", c.request_id);
         span.set("pd.prefill_here", true);
-        let prompt_tokens = c.prompt.len();
         let admission = Admission {
             kv,
-            start: Start::Prompt(c.prompt),
+            start: Start::Prompt { from: cached },
+            prompt: c.prompt,
             params: c.params,
-            prompt_tokens,
+            cached_tokens: cached,
             received: Received::default(),
             events,
             span,
@@ -196,27 +216,32 @@ impl DecodeService {
         self.metrics.kv_transfer_bytes.inc_by(committed.bytes);
     }
 
-    /// Joins a committed sequence to the batch.
+    /// Joins a committed sequence (cached prefix, then the shipped rest, then room for the
+    /// output) to the batch; its prompt blocks join the prefix cache.
     fn admit(
         &self,
         c: Checked,
         committed: CommittedKv,
-        growth: BlockAllocation,
+        held: Held,
         events: mpsc::UnboundedSender<Event>,
     ) -> Result<(), DecodeError> {
         let received =
             Received { kv_transfer_ms: committed.receive_time.as_secs_f64() * 1e3, kv_bytes: committed.bytes };
-        let mut blocks = committed.blocks;
-        blocks.absorb(growth).map_err(|e| DecodeError::Internal(e.to_string()))?;
-        let mut kv = SequenceKv::new(blocks);
-        kv.commit_len(committed.num_tokens as usize);
+        let Held { mut prefix, cached, growth } = held;
+        let internal = |e: pd_engine::EngineError| DecodeError::Internal(e.to_string());
+        prefix.absorb(committed.blocks).map_err(internal)?;
+        prefix.absorb(growth).map_err(internal)?;
+        let mut kv = SequenceKv::new(prefix);
+        kv.commit_len(cached + committed.num_tokens as usize);
+        kv.cache_prefix(&c.prompt);
         let span = StageSpan::start("decode.generate", &c.parent);
         span.set("pd.request_id", c.request_id);
         let admission = Admission {
             kv,
             start: Start::Prefilled { first_token: committed.first_token },
+            prompt: c.prompt,
             params: c.params,
-            prompt_tokens: c.prompt.len(),
+            cached_tokens: cached,
             received,
             events,
             span,
@@ -229,7 +254,7 @@ impl DecodeService {
     async fn follow(self, c: Checked, reserved: Reserved, events: mpsc::UnboundedSender<Event>) {
         let Some(committed) = self.await_commit(&c, reserved.outcome, &events).await else { return };
         self.record_receive(&c, &committed);
-        if let Err(e) = self.admit(c, committed, reserved.growth, events.clone()) {
+        if let Err(e) = self.admit(c, committed, reserved.held, events.clone()) {
             let _ = events.send(Err(e.to_status()));
         }
     }
@@ -254,7 +279,7 @@ impl DecodeWorker for DecodeService {
         admit.set("gen_ai.request.max_tokens", checked.params.max_tokens as i64);
         let (events, rx) = mpsc::unbounded_channel::<Event>();
         if prefill_here {
-            self.admit_local(checked, events).map_err(|e| self.refuse(&admit, e))?;
+            self.admit_local(checked, events, &admit).map_err(|e| self.refuse(&admit, e))?;
         } else {
             let reserved = self.reserve(&checked, &admit).map_err(|e| self.refuse(&admit, e))?;
             let _ = events.send(event(pb::decode_event::Event::Target(reserved.target.to_pb())));

@@ -245,8 +245,7 @@ impl Engine {
     /// Offers the full blocks of `kv`, whose first `tokens.len()` positions hold `tokens`'
     /// K/V, to the prefix cache.
     pub fn cache_prefix(&self, kv: &mut SequenceKv, tokens: &[u32]) {
-        let valid = tokens.len().min(kv.len());
-        self.blocks.register(kv.blocks_mut(), &tokens[..valid]);
+        kv.cache_prefix(tokens);
     }
 
     /// Generates from a sequence whose KV holds the prompt and whose next-token logits are

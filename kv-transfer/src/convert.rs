@@ -80,9 +80,11 @@ pub struct Target {
     /// host:port of the decode worker's KvTransfer service.
     pub kv_endpoint: String,
     pub geometry: KvGeometry,
-    /// Destination blocks in token order.
+    /// Destination blocks in token order, for the prompt from `cached_tokens` on.
     pub block_ids: Vec<u32>,
     pub lease_deadline: SystemTime,
+    /// Leading prompt tokens the receiver already holds (whole blocks): not shipped.
+    pub cached_tokens: u32,
 }
 
 impl Target {
@@ -99,6 +101,7 @@ impl Target {
             num_kv_heads: g.num_kv_heads,
             head_dim: g.head_dim,
             lease_deadline_unix_ms: self.lease_deadline.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+            cached_tokens: self.cached_tokens,
         }
     }
 
@@ -108,6 +111,13 @@ impl Target {
         }
         if t.kv_endpoint.is_empty() {
             return Err(TransferError::Protocol("target.kv_endpoint is empty".into()));
+        }
+        if t.cached_tokens > 0 && (t.block_size == 0 || !t.cached_tokens.is_multiple_of(t.block_size)) {
+            let m = format!(
+                "target.cached_tokens ({}) is not a whole number of {}-token blocks",
+                t.cached_tokens, t.block_size
+            );
+            return Err(TransferError::Protocol(m));
         }
         Ok(Target {
             transfer_id: t.transfer_id.clone(),
@@ -122,6 +132,7 @@ impl Target {
             },
             block_ids: t.block_ids.clone(),
             lease_deadline: UNIX_EPOCH + std::time::Duration::from_millis(t.lease_deadline_unix_ms),
+            cached_tokens: t.cached_tokens,
         })
     }
 
@@ -189,6 +200,7 @@ mod tests {
             geometry: geometry(),
             block_ids: vec![4, 9],
             lease_deadline: UNIX_EPOCH + std::time::Duration::from_millis(1_234),
+            cached_tokens: 32,
         };
         assert_eq!(Target::from_pb(&target.to_pb()).expect("valid"), target);
         let header = target.header(20, HashMap::new());
@@ -199,5 +211,8 @@ mod tests {
         let mut no_endpoint = target.to_pb();
         no_endpoint.kv_endpoint.clear();
         assert!(matches!(Target::from_pb(&no_endpoint), Err(TransferError::Protocol(m)) if m.contains("kv_endpoint")));
+        let mut mid_block = target.to_pb();
+        mid_block.cached_tokens = 20;
+        assert!(matches!(Target::from_pb(&mid_block), Err(TransferError::Protocol(m)) if m.contains("cached_tokens")));
     }
 }

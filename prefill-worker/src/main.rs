@@ -48,7 +48,10 @@ struct Args {
     /// step whatever the budget (0: budget only).
     #[arg(long, default_value_t = 128)]
     short_chunk: usize,
-    /// KV cache blocks (of 16 tokens) for the prompt in flight.
+    /// Turn off the prefix cache (every prompt computed and shipped from its first token).
+    #[arg(long, env = "PD_NO_PREFIX_CACHE")]
+    no_prefix_cache: bool,
+    /// KV cache blocks (of 16 tokens) for the prompts in flight and the cached prefixes.
     #[arg(long, default_value_t = 576)]
     kv_blocks: usize,
     /// Longest wait on a decode worker's KV service, in milliseconds.
@@ -97,7 +100,7 @@ fn config(args: &Args) -> anyhow::Result<pd_prefill::Config> {
     let config = pd_prefill::Config {
         model: args.model.clone(),
         load: LoadOptions { weights: args.weights, device: args.device },
-        cache: CacheConfig::with_blocks(args.kv_blocks),
+        cache: CacheConfig { prefix_cache: !args.no_prefix_cache, ..CacheConfig::with_blocks(args.kv_blocks) },
         step: pd_prefill::step::StepConfig {
             max_prompts: args.max_partial_prefills,
             max_long: args.max_long_partial_prefills,

@@ -16,7 +16,7 @@ use crate::error::PrefillError;
 use crate::steps::{Finished, StepEvent, Steps};
 
 /// One prompt to prefill and ship. `header` names the destination; its geometry must be
-/// `geometry_of(engine, ..)` and its block list as long as the prompt needs.
+/// `geometry_of(engine, ..)` and its block list as long as the prompt from `ship_from` needs.
 #[derive(Debug)]
 pub struct PrefillJob {
     pub engine: Arc<Engine>,
@@ -24,6 +24,8 @@ pub struct PrefillJob {
     pub header: TransferHeader,
     /// How the first token is sampled.
     pub sampling: SamplingParams,
+    /// Leading prompt tokens the receiver already holds (whole blocks): not shipped.
+    pub ship_from: usize,
 }
 
 /// What a pipelined prefill-and-send measured.
@@ -50,6 +52,8 @@ pub struct PrefillSent {
     pub chunks: Vec<(usize, SystemTime)>,
     /// Layers shipped.
     pub layers: u32,
+    /// Leading prompt tokens this worker's prefix cache held (not computed).
+    pub cached_tokens: usize,
 }
 
 /// Token counts of the chunks a prompt of `len` tokens runs as: full chunks, then the rest.
@@ -59,13 +63,13 @@ pub fn chunk_plan(len: usize, chunk: usize) -> Vec<usize> {
 }
 
 async fn send_layer<T: KvTransfer>(
-    engine: &Engine,
+    job: &PrefillJob,
     layer: u32,
-    source_blocks: &[u32],
-    header: &TransferHeader,
+    blocks: &[u32],
     transfer: &mut T,
 ) -> Result<(), PrefillError> {
-    for frame in layer_frames(engine, layer, source_blocks, &header.geometry)? {
+    let shipped = &blocks[(job.ship_from / job.engine.blocks().block_size()).min(blocks.len())..];
+    for frame in layer_frames(&job.engine, layer, shipped, &job.header.geometry)? {
         transfer.send(frame).await?;
     }
     Ok(())
@@ -84,7 +88,12 @@ pub async fn prefill_and_send<S: KvSender>(
         return Err(PrefillError::Invalid("prompt_tokens is empty".into()));
     }
     pd_engine::Sampler::new(&job.sampling)?;
-    let needed = job.engine.blocks().blocks_for(job.prompt.len());
+    let bs = job.engine.blocks().block_size();
+    if job.ship_from >= job.prompt.len() || !job.ship_from.is_multiple_of(bs) {
+        let m = format!("{} cached tokens of a {}-token prompt in {bs}-token blocks", job.ship_from, job.prompt.len());
+        return Err(PrefillError::Invalid(m));
+    }
+    let needed = job.engine.blocks().blocks_for(job.prompt.len()) - job.ship_from / bs;
     if needed != job.header.block_ids.len() {
         let message = format!("{needed} source blocks for {} destination blocks", job.header.block_ids.len());
         return Err(PrefillError::Incompatible(pd_kv_transfer::TransferError::Incompatible(message)));
@@ -107,6 +116,7 @@ struct Computed {
     chunks: Vec<(usize, SystemTime)>,
     layers: u32,
     last_layer_at: Option<Instant>,
+    cached: usize,
 }
 
 /// Follows the prompt through the step loop, shipping layers during its last step.
@@ -118,16 +128,18 @@ async fn compute_and_ship<T: KvTransfer>(
 ) -> Result<Computed, PrefillError> {
     let submitted = Instant::now();
     let mut events = steps.submit(job.prompt.clone())?;
-    let (mut blocks, mut started, mut waited) = (Vec::new(), SystemTime::now(), Duration::ZERO);
+    let (mut blocks, mut started, mut waited, mut cached) = (Vec::new(), SystemTime::now(), Duration::ZERO, 0);
     let (mut chunks, mut layers, mut last_layer_at, mut shipping) = (Vec::new(), 0, None, Ok(()));
     while let Some(event) = events.recv().await {
         progress(&event);
         match event {
-            StepEvent::Started { blocks: b, at } => (blocks, started, waited) = (b, at, submitted.elapsed()),
+            StepEvent::Started { blocks: b, cached: c, at } => {
+                (blocks, started, waited, cached) = (b, at, submitted.elapsed(), c)
+            }
             StepEvent::Chunk { tokens, at } => chunks.push((tokens, at)),
             StepEvent::Layer(layer, at) if shipping.is_ok() => {
                 (layers, last_layer_at) = (layers + 1, Some(at));
-                shipping = send_layer(&job.engine, layer as u32, &blocks, &job.header, transfer).await;
+                shipping = send_layer(job, layer as u32, &blocks, transfer).await;
             }
             StepEvent::Layer(..) => {}
             StepEvent::Failed(e) => return Err(e.into()),
@@ -140,6 +152,7 @@ async fn compute_and_ship<T: KvTransfer>(
                     chunks,
                     layers,
                     last_layer_at,
+                    cached,
                 });
             }
         }
@@ -152,7 +165,7 @@ async fn sample_and_commit<T: KvTransfer>(
     transfer: T,
     computed: Computed,
 ) -> Result<PrefillSent, PrefillError> {
-    let Computed { finished, waited, compute_started, chunks, layers, last_layer_at } = computed;
+    let Computed { finished, waited, compute_started, chunks, layers, last_layer_at, cached } = computed;
     let sampled = pd_engine::Sampler::new(&job.sampling).and_then(|mut s| s.sample(&finished.logits));
     let first_token = match sampled {
         Ok(t) => t,
@@ -161,7 +174,7 @@ async fn sample_and_commit<T: KvTransfer>(
             return Err(e.into());
         }
     };
-    let receipt = transfer.commit(first_token, job.prompt.len() as u32).await?;
+    let receipt = transfer.commit(first_token, (job.prompt.len() - job.ship_from) as u32).await?;
     Ok(PrefillSent {
         first_token,
         source: finished.kv,
@@ -174,6 +187,7 @@ async fn sample_and_commit<T: KvTransfer>(
         compute_ended: finished.ended_wall,
         chunks,
         layers,
+        cached_tokens: cached,
     })
 }
 

@@ -124,6 +124,14 @@ impl PrefillService {
         let ours = geometry_of(&self.engine, target.geometry.dtype);
         target.geometry.check_matches(&ours).map_err(PrefillError::Incompatible)?;
         let max = self.engine.model().config().max_position;
+        if target.cached_tokens as usize >= req.prompt_tokens.len() {
+            let message = format!(
+                "target.cached_tokens ({}) must be less than prompt_tokens ({})",
+                target.cached_tokens,
+                req.prompt_tokens.len()
+            );
+            return Err(PrefillError::Invalid(message));
+        }
         if req.prompt_tokens.len() > max {
             let message = format!("prompt_tokens ({}) exceed the context length of {max}", req.prompt_tokens.len());
             return Err(PrefillError::Invalid(message));
@@ -144,13 +152,23 @@ impl PrefillService {
         let sender = self.sender(&endpoint).await?;
         let tokens = checked.prompt.len();
         let counted = Mutex::new(Counted::new(self.gauges.clone(), tokens as u64, arrived));
-        let header = checked.target.header(tokens as u32, pd_telemetry::otel::inject_map(spans.send.context()));
-        let job =
-            PrefillJob { engine: self.engine.clone(), prompt: checked.prompt, header, sampling: checked.sampling };
+        let ship_from = checked.target.cached_tokens as usize;
+        let shipped = (tokens - ship_from) as u32;
+        let header = checked.target.header(shipped, pd_telemetry::otel::inject_map(spans.send.context()));
+        let job = PrefillJob {
+            engine: self.engine.clone(),
+            prompt: checked.prompt,
+            header,
+            sampling: checked.sampling,
+            ship_from,
+        };
         let progress = |event: &StepEvent| {
             if let Ok(mut c) = counted.lock() {
                 match event {
-                    StepEvent::Started { .. } => c.start_running(),
+                    StepEvent::Started { cached, .. } => {
+                        c.start_running();
+                        c.advance(*cached as u64);
+                    }
                     StepEvent::Chunk { tokens, .. } => c.advance(*tokens as u64),
                     _ => {}
                 }
@@ -170,6 +188,7 @@ impl PrefillService {
         queue.end_at(sent.compute_started);
         let compute = StageSpan::start_at("prefill.compute", &parent, sent.compute_started);
         compute.set("gen_ai.usage.input_tokens", tokens as i64);
+        compute.set("pd.prefix.cached_tokens", sent.cached_tokens as i64);
         compute.set("pd.prefill.step_target_ms", self.config.step.target.as_secs_f64() * 1e3);
         compute.set("pd.prefill.compute_ms", sent.prefill_time.as_secs_f64() * 1e3);
         compute.set("pd.prefill.waited_ms", sent.waited.as_secs_f64() * 1e3);
@@ -187,6 +206,8 @@ impl PrefillService {
         labels.observe(&self.metrics.queue_time, sent.waited.as_secs_f64());
         labels.observe(&self.metrics.prefill_time, sent.prefill_time.as_secs_f64());
         self.metrics.kv_transfer_bytes.inc_by(sent.receipt.bytes);
+        self.metrics.prefix.observe(tokens, sent.cached_tokens);
+        self.metrics.prefix.cached_blocks.set(self.engine.blocks().cached_blocks() as f64);
     }
 }
 
@@ -211,6 +232,7 @@ impl PrefillWorker for PrefillService {
         send.set("pd.kv.backend", "grpc");
         send.set("pd.kv.endpoint", checked.target.kv_endpoint.clone());
         send.set("pd.kv.blocks", checked.target.block_ids.len() as i64);
+        send.set("pd.kv.receiver_cached_tokens", checked.target.cached_tokens as i64);
         let spans = Spans { parent, queue, send };
         let sent = match self.run(checked, &spans, arrived).await {
             Ok(sent) => sent,
@@ -226,6 +248,7 @@ impl PrefillWorker for PrefillService {
             prefill_ms: ms(sent.prefill_time),
             kv_commit_ms: ms(sent.prefill_end_to_commit),
             kv_bytes: sent.receipt.bytes,
+            cached_tokens: sent.cached_tokens as u32,
         }))
     }
 

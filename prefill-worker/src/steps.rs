@@ -1,10 +1,12 @@
 //! The prefill step loop: one thread owns the engine's prefill steps. Requests hand it whole
 //! prompts; every step it plans (`step::plan`) which prompts run and how many tokens each,
-//! takes blocks for prompts starting now (a prompt waiting for blocks holds none), runs them
+//! takes blocks for prompts starting now (a prompt waiting for blocks holds none; one whose
+//! prefix is in the prefix cache starts after it, on the shared blocks), runs them
 //! together in one forward, and tells each request what happened: `Started` (its blocks),
 //! `Chunk` after each of its steps, `Layer(l)` during its last step as soon as layer `l`
 //! holds its whole prompt (so the pipeline ships it while later layers compute), then
-//! `Done` with the logits and its KV. A request whose receiver is gone (cancelled) is dropped
+//! `Done` with the logits and its KV, whose full blocks then join the prefix cache. A request
+//! whose receiver is gone (cancelled) is dropped
 //! before the next step and its blocks are freed. The measured step times correct the cost
 //! model, which gives the worker's tokens/s for short prompts (what the router's wait
 //! estimates are about: a step of a full short chunk at no context).
@@ -23,8 +25,16 @@ use crate::step::{plan, Candidate, CostModel, StepConfig};
 /// What the loop tells one request.
 #[derive(Debug)]
 pub enum StepEvent {
-    Started { blocks: Vec<u32>, at: SystemTime },
-    Chunk { tokens: usize, at: SystemTime },
+    /// Its blocks, and how many leading tokens they already hold (prefix cache hit).
+    Started {
+        blocks: Vec<u32>,
+        cached: usize,
+        at: SystemTime,
+    },
+    Chunk {
+        tokens: usize,
+        at: SystemTime,
+    },
     Layer(usize, Instant),
     Done(Box<Finished>),
     Failed(EngineError),
@@ -145,6 +155,11 @@ impl Loop {
             .collect();
         let mut planned = plan(&cands, &self.config, &self.cost);
         planned.retain(|&(i, _)| self.take_blocks(i));
+        // A prompt that started on cached blocks has fewer tokens left than planned.
+        for (i, t) in planned.iter_mut() {
+            let a = &self.active[*i];
+            *t = (*t).min(a.prompt.len() - a.done);
+        }
         if planned.is_empty() {
             return false;
         }
@@ -164,11 +179,12 @@ impl Loop {
         if a.kv.is_some() {
             return true;
         }
-        match self.engine.sequence_with_capacity(a.prompt.len()) {
-            Ok(kv) => {
+        match self.engine.sequence_for_prompt(&a.prompt, a.prompt.len()) {
+            Ok((kv, cached)) => {
                 let blocks = kv.blocks().ids().to_vec();
-                let _ = a.events.send(StepEvent::Started { blocks, at: SystemTime::now() });
+                let _ = a.events.send(StepEvent::Started { blocks, cached, at: SystemTime::now() });
                 a.kv = Some(kv);
+                a.done = cached;
                 true
             }
             Err(EngineError::OutOfBlocks { .. })
@@ -249,7 +265,8 @@ impl Loop {
             a.since = now.0;
             let _ = a.events.send(StepEvent::Chunk { tokens: t, at: now.1 });
             let Some(logits) = logits else { continue };
-            if let Some(kv) = a.kv.take() {
+            if let Some(mut kv) = a.kv.take() {
+                kv.cache_prefix(&a.prompt);
                 let event = match logits {
                     Ok(logits) => StepEvent::Done(Box::new(Finished {
                         logits,

@@ -24,7 +24,12 @@ fn model_path() -> PathBuf {
 }
 
 fn engine() -> Arc<Engine> {
-    Arc::new(Engine::load(&model_path(), LoadOptions::default(), CacheConfig::with_blocks(128)).expect("model loads"))
+    engine_with(true)
+}
+
+fn engine_with(prefix_cache: bool) -> Arc<Engine> {
+    let cache = CacheConfig { prefix_cache, ..CacheConfig::with_blocks(128) };
+    Arc::new(Engine::load(&model_path(), LoadOptions::default(), cache).expect("model loads"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -64,7 +69,13 @@ async fn prefill_transfer_decode_gives_the_uninterrupted_greedy_tokens() {
                 })
                 .expect("reservation");
             // Chunks of 16 tokens: the last chunk ships layers while later layers compute.
-            let job = PrefillJob { engine: prefill.clone(), prompt: prompt.clone(), header, sampling: greedy.clone() };
+            let job = PrefillJob {
+                engine: prefill.clone(),
+                prompt: prompt.clone(),
+                header,
+                sampling: greedy.clone(),
+                ship_from: 0,
+            };
             let steps = Steps::start(prefill.clone(), StepConfig::single(16)).expect("steps");
             let sent = prefill_and_send(job, &sender, &steps, |_| {}).await.expect("sent");
             drop(sent.source);
@@ -76,6 +87,84 @@ async fn prefill_transfer_decode_gives_the_uninterrupted_greedy_tokens() {
             assert_eq!(got, expected, "{dtype:?} transfer changed the greedy tokens for {question:?}");
         }
     }
+    assert_eq!(decode.blocks().free_blocks(), decode.blocks().total_blocks());
+    assert_eq!(prefill.blocks().free_blocks(), prefill.blocks().total_blocks());
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_either_side_holds_is_neither_recomputed_nor_shipped() {
+    let prefill = engine();
+    let decode = engine();
+    let plain = Arc::new(
+        Engine::load(
+            &model_path(),
+            LoadOptions::default(),
+            CacheConfig { prefix_cache: false, ..CacheConfig::with_blocks(128) },
+        )
+        .expect("model loads"),
+    );
+    let registry = KvRegistry::new(decode.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let server = GrpcKvReceiver::start(registry.clone(), listener).expect("receiver");
+    let sender =
+        GrpcKvSender::connect(&server.local_addr().to_string(), Duration::from_secs(10)).await.expect("connect");
+    let steps = Steps::start(prefill.clone(), StepConfig::single(64)).expect("steps");
+    let mut greedy = SamplingParams::greedy(12);
+    greedy.ignore_eos = true;
+    let system = "You are the help desk of a public library. Answer briefly and point to the right \
+        shelf or service; when you do not know, say so and suggest asking a librarian at the desk.";
+    let ask = |q: &str| {
+        let messages = [ChatMessage::new("system", system), ChatMessage::new("user", q)];
+        prefill.chat_prompt(&messages).expect("prompt")
+    };
+    // The decode side holds the first conversation (as after an earlier request); the prefill
+    // side has computed a second one with the same system prompt.
+    decode.generate(&ask("Where are the atlases?"), &greedy, 64, |_| {}).expect("decode side warm");
+    prefill.generate(&ask("Can I print here?"), &greedy, 64, |_| {}).expect("prefill side warm");
+    let bs = decode.blocks().block_size();
+    let prompt = ask("How long can I keep a book?");
+    let expected = plain.generate(&prompt, &greedy, 64, |_| {}).expect("reference").tokens;
+
+    let (mut held, cached) = decode.blocks().allocate_prefix(&prompt, prompt.len()).expect("reserve");
+    assert!(cached >= 2 * bs, "the system prompt's blocks are held: {cached}");
+    let suffix = held.split_off(cached / bs);
+    let geometry = geometry_of(&decode, WireDType::F16);
+    let shipped = (prompt.len() - cached) as u32;
+    let header = TransferHeader {
+        transfer_id: "warm".into(),
+        geometry,
+        block_ids: suffix.ids().to_vec(),
+        num_tokens: shipped,
+        trace_context: Default::default(),
+    };
+    let reservation = Reservation {
+        transfer_id: "warm".into(),
+        geometry,
+        blocks: suffix,
+        num_tokens: shipped,
+        lease: Duration::from_secs(30),
+    };
+    let outcome = registry.reserve(reservation).expect("reservation");
+    let job = PrefillJob {
+        engine: prefill.clone(),
+        prompt: prompt.clone(),
+        header,
+        sampling: greedy.clone(),
+        ship_from: cached,
+    };
+    let sent = prefill_and_send(job, &sender, &steps, |_| {}).await.expect("sent");
+    assert_eq!(sent.cached_tokens, cached, "the prefill side computed only what it lacked");
+    let c = decode.model().config();
+    let block_bytes = (bs * c.num_kv_heads * c.head_dim * 2 * 2 * c.num_layers) as u64;
+    assert_eq!(sent.receipt.bytes, (prompt.len() - cached).div_ceil(bs) as u64 * block_bytes, "only the suffix moved");
+    drop(sent.source);
+    let committed = outcome.await.expect("outcome").expect("committed");
+    held.absorb(committed.blocks).expect("same pool");
+    let mut kv = SequenceKv::new(held);
+    kv.commit_len(cached + committed.num_tokens as usize);
+    let got = decode.decode_from(kv, committed.first_token, &greedy, &mut |_| {}).expect("decode").tokens;
+    assert_eq!(got, expected, "a cached prefix on both sides changed the greedy tokens");
     assert_eq!(decode.blocks().free_blocks(), decode.blocks().total_blocks());
     assert_eq!(prefill.blocks().free_blocks(), prefill.blocks().total_blocks());
     server.shutdown().await;
@@ -108,7 +197,8 @@ async fn through_steps(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompts_prefilled_together_in_steps_give_the_tokens_of_a_whole_prefill() {
-    let engine = engine();
+    // No prefix cache: the reference runs would serve the stepped prompts.
+    let engine = engine_with(false);
     let mut greedy = SamplingParams::greedy(12);
     greedy.ignore_eos = true;
     let long = "Summarize: the lighthouse keeper climbed the stairs every evening, lit the lamp, wrote the weather in his log, and watched the ships pass until dawn, year after year, until the day the lamp was replaced by an automatic beacon and he moved to the village.";

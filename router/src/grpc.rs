@@ -62,12 +62,15 @@ fn response(update: Result<Update, RouterError>, request_id: &str) -> Result<pb:
     use pb::generate_response::Message;
     let message = match update.map_err(|e| e.to_status())? {
         Update::Token { token_id, text } => Message::Token(pb::GeneratedToken { token_id, text }),
-        Update::Done { finish_reason, prompt_tokens, completion_tokens } => Message::Done(pb::GenerationDone {
-            finish_reason,
-            prompt_tokens,
-            completion_tokens,
-            request_id: request_id.to_string(),
-        }),
+        Update::Done { finish_reason, prompt_tokens, completion_tokens, cached_tokens } => {
+            Message::Done(pb::GenerationDone {
+                finish_reason,
+                prompt_tokens,
+                completion_tokens,
+                request_id: request_id.to_string(),
+                cached_tokens,
+            })
+        }
     };
     Ok(pb::GenerateResponse { message: Some(message) })
 }

@@ -177,14 +177,14 @@ async fn collect_response(req: ValidRequest, id: String, mut updates: Updates) -
     while let Some(update) = updates.next().await {
         match update {
             Ok(Update::Token { text: t, .. }) => text.push_str(&t),
-            Ok(Update::Done { finish_reason, prompt_tokens, completion_tokens }) => {
+            Ok(Update::Done { finish_reason, prompt_tokens, completion_tokens, cached_tokens }) => {
                 return Json(Completion {
                     id,
                     object: object_name(req.kind, false),
                     created: unix_now(),
                     model: req.model,
                     choices: vec![Choice::of(req.kind, text, finish_reason)],
-                    usage: Usage::new(prompt_tokens, completion_tokens),
+                    usage: Usage::new(prompt_tokens, completion_tokens, cached_tokens),
                 })
                 .into_response();
             }
@@ -222,10 +222,10 @@ fn stream_response(
                 first = false;
                 vec![event]
             }
-            Ok(Update::Done { finish_reason, prompt_tokens, completion_tokens }) => {
+            Ok(Update::Done { finish_reason, prompt_tokens, completion_tokens, cached_tokens }) => {
                 let mut out = vec![chunk(vec![ChunkChoice::finish(kind, finish_reason)], None)];
                 if include_usage {
-                    out.push(chunk(Vec::new(), Some(Usage::new(prompt_tokens, completion_tokens))));
+                    out.push(chunk(Vec::new(), Some(Usage::new(prompt_tokens, completion_tokens, cached_tokens))));
                 }
                 out.push(Event::default().data("[DONE]"));
                 out

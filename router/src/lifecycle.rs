@@ -246,12 +246,18 @@ impl RelayTask {
     /// The decode worker's timings (and its prefill's, for a prompt prefilled there).
     fn record_decode(&mut self, f: &pb::Finished) {
         if f.prefill_ms > 0.0 {
-            self.record.prefilled(PrefillTimings { queue_ms: f.queue_ms, prefill_ms: f.prefill_ms, kv_commit_ms: 0.0 });
+            self.record.prefilled(PrefillTimings {
+                queue_ms: f.queue_ms,
+                prefill_ms: f.prefill_ms,
+                kv_commit_ms: 0.0,
+                cached_tokens: f.cached_tokens,
+            });
         }
         self.record.decoded(DecodeTimings {
             kv_transfer_ms: f.kv_transfer_ms,
             decode_ms: f.decode_ms,
             kv_bytes: f.kv_bytes,
+            cached_tokens: f.cached_tokens,
         });
     }
 
@@ -263,8 +269,11 @@ impl RelayTask {
                 self.record.token();
                 self.tx.send(Ok(update)).await.is_ok()
             }
-            Relayed::Finish(update) => {
+            Relayed::Finish(mut update) => {
                 self.await_prefill_record().await;
+                if let Update::Done { cached_tokens, .. } = &mut update {
+                    *cached_tokens = (*cached_tokens).max(self.record.cached_tokens());
+                }
                 let reason = match &update {
                     Update::Done { finish_reason, .. } => finish_reason.clone(),
                     Update::Token { .. } => String::new(),

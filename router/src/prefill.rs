@@ -130,7 +130,12 @@ impl PrefillCall {
             stage: "prefill",
             message: format!("first token {}: {e}", r.first_token),
         })?;
-        let timings = PrefillTimings { queue_ms: r.queue_ms, prefill_ms: r.prefill_ms, kv_commit_ms: r.kv_commit_ms };
+        let timings = PrefillTimings {
+            queue_ms: r.queue_ms,
+            prefill_ms: r.prefill_ms,
+            kv_commit_ms: r.kv_commit_ms,
+            cached_tokens: r.cached_tokens,
+        };
         Ok(Prefilled { worker, timings, first_token: r.first_token, first_text: first.text_delta })
     }
 }

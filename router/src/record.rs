@@ -67,6 +67,8 @@ pub struct PrefillTimings {
     pub queue_ms: f64,
     pub prefill_ms: f64,
     pub kv_commit_ms: f64,
+    /// Prompt tokens the prefilling worker's prefix cache held (not computed).
+    pub cached_tokens: u32,
 }
 
 /// What the decode worker measured.
@@ -75,6 +77,8 @@ pub struct DecodeTimings {
     pub kv_transfer_ms: f64,
     pub decode_ms: f64,
     pub kv_bytes: u64,
+    /// Prompt tokens the decode worker already held (not shipped).
+    pub cached_tokens: u32,
 }
 
 /// One request's account; see the module docs.
@@ -170,7 +174,13 @@ impl RequestRecord {
     }
 
     pub fn prefilled(&mut self, t: PrefillTimings) {
+        self.root.set("pd.prefix.cached_tokens", t.cached_tokens as i64);
         self.prefill = Some(t);
+    }
+
+    /// Prompt tokens the prefilling worker's prefix cache served (0 before its report).
+    pub fn cached_tokens(&self) -> u32 {
+        self.prefill.map_or(0, |p| p.cached_tokens)
     }
 
     pub fn decoded(&mut self, t: DecodeTimings) {
@@ -222,6 +232,8 @@ impl RequestRecord {
             prefill_ms = p.map(|p| p.prefill_ms),
             kv_transfer_ms = d.map(|d| d.kv_transfer_ms),
             kv_bytes = d.map(|d| d.kv_bytes),
+            cached_tokens = p.map(|p| p.cached_tokens),
+            decode_cached_tokens = d.map(|d| d.cached_tokens),
             ttft_ms,
             decode_ms = d.map(|d| d.decode_ms),
             itl_p50_ms = percentile(&gaps, 0.50),

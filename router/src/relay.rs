@@ -12,8 +12,18 @@ use crate::error::RouterError;
 /// What the client sees of a generation.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Update {
-    Token { token_id: u32, text: String },
-    Done { finish_reason: String, prompt_tokens: u32, completion_tokens: u32 },
+    Token {
+        token_id: u32,
+        text: String,
+    },
+    /// The end. `cached_tokens`: prompt tokens not computed for this request (the prefix
+    /// cache of the worker that prefilled it).
+    Done {
+        finish_reason: String,
+        prompt_tokens: u32,
+        completion_tokens: u32,
+        cached_tokens: u32,
+    },
 }
 
 /// What to do with one decode-stream message.
@@ -80,6 +90,9 @@ impl Relay {
                 finish_reason: f.finish_reason,
                 prompt_tokens: f.prompt_tokens,
                 completion_tokens: f.completion_tokens,
+                // A remote prefill's own hit arrives with its response (the decode worker's
+                // hit only spared the transfer).
+                cached_tokens: if self.remote_prefill { 0 } else { f.cached_tokens },
             }),
             Ok(Some(_)) => Relayed::Skip,
             Ok(None) => Relayed::Fail(RouterError::Worker {

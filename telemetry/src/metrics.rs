@@ -36,6 +36,9 @@ pub mod names {
     pub const ROUTE_DECISIONS: &str = "pd_route_decisions_total";
     pub const ROUTER_QUEUE_TIME: &str = "pd_router_queue_time_seconds";
     pub const ROUTER_QUEUED: &str = "pd_router_queued_requests";
+    pub const PREFIX_QUERIES: &str = "pd_prefix_cache_queries_total";
+    pub const PREFIX_HITS: &str = "pd_prefix_cache_hits_total";
+    pub const CACHED_BLOCKS: &str = "pd_kv_cached_blocks";
 }
 
 /// Upper bounds of the input-length buckets, in prompt tokens.
@@ -236,6 +239,7 @@ pub struct PrefillMetrics {
     pub waiting_tokens: Gauge,
     pub oldest_age: Gauge,
     pub rejected: IntCounterVec,
+    pub prefix: PrefixMetrics,
 }
 
 impl PrefillMetrics {
@@ -252,7 +256,32 @@ impl PrefillMetrics {
             oldest_age: m
                 .gauge(names::QUEUE_OLDEST_AGE, "Age of the oldest prefill still waiting to start (0 when none)."),
             rejected: m.counter_vec(names::REJECTED, "Prefill requests refused, by reason.", &["reason"]),
+            prefix: PrefixMetrics::register(m),
         }
+    }
+}
+
+/// A worker's prefix cache (vLLM's meanings: prompt tokens looked up, and found).
+#[derive(Debug, Clone)]
+pub struct PrefixMetrics {
+    pub queries: IntCounter,
+    pub hits: IntCounter,
+    pub cached_blocks: Gauge,
+}
+
+impl PrefixMetrics {
+    pub fn register(m: &Metrics) -> Self {
+        PrefixMetrics {
+            queries: m.counter(names::PREFIX_QUERIES, "Prompt tokens looked up in the prefix cache."),
+            hits: m.counter(names::PREFIX_HITS, "Prompt tokens found in the prefix cache (not computed again)."),
+            cached_blocks: m.gauge(names::CACHED_BLOCKS, "KV blocks whose content the prefix cache can reuse."),
+        }
+    }
+
+    /// One prompt of `prompt` tokens whose first `cached` were found.
+    pub fn observe(&self, prompt: usize, cached: usize) {
+        self.queries.inc_by(prompt as u64);
+        self.hits.inc_by(cached as u64);
     }
 }
 
@@ -265,6 +294,7 @@ pub struct DecodeMetrics {
     pub running: Gauge,
     pub kv_usage: Gauge,
     pub rejected: IntCounterVec,
+    pub prefix: PrefixMetrics,
 }
 
 impl DecodeMetrics {
@@ -284,6 +314,7 @@ impl DecodeMetrics {
             running: m.gauge(names::RUNNING_DECODE_SEQUENCES, "Sequences in the running decode batch."),
             kv_usage: m.gauge(names::KV_CACHE_USAGE, "Used KV blocks / all KV blocks (reservations included)."),
             rejected: m.counter_vec(names::REJECTED, "Decode requests refused, by reason.", &["reason"]),
+            prefix: PrefixMetrics::register(m),
         }
     }
 }

@@ -16,6 +16,12 @@ use super::*;
 const VOCAB: usize = 64;
 const EOS: u32 = 63;
 
+/// How a test sequence joins: prefilled elsewhere, or with a prompt to run here.
+enum Begin {
+    Prefilled { first_token: u32 },
+    Prompt(Vec<u32>),
+}
+
 struct Fixture {
     tokenizer: Tokenizer,
     metrics: DecodeMetrics,
@@ -31,18 +37,20 @@ impl Fixture {
         }
     }
 
-    fn admission(&self, start: Start, max_tokens: usize) -> (Admission, mpsc::UnboundedReceiver<Event>) {
+    fn admission(&self, begin: Begin, max_tokens: usize) -> (Admission, mpsc::UnboundedReceiver<Event>) {
         let (events, rx) = mpsc::unbounded_channel();
-        let prompt_tokens = match &start {
-            Start::Prompt(p) => p.len(),
-            Start::Prefilled { .. } => 5,
+        let (start, prompt) = match begin {
+            Begin::Prompt(p) => (Start::Prompt { from: 0 }, p),
+            Begin::Prefilled { first_token } => (Start::Prefilled { first_token }, vec![1; 5]),
         };
+        let prompt_tokens = prompt.len();
         let kv = SequenceKv::new(self.blocks.allocate(2).expect("blocks"));
         let a = Admission {
             kv,
             start,
+            prompt,
             params: SamplingParams::greedy(max_tokens),
-            prompt_tokens,
+            cached_tokens: 0,
             received: Received { kv_transfer_ms: 1.5, kv_bytes: 100 },
             events,
             span: StageSpan::start("decode.generate", &Context::new()),
@@ -51,8 +59,8 @@ impl Fixture {
         (a, rx)
     }
 
-    fn admit(&self, state: &mut BatchState, start: Start, max_tokens: usize) -> mpsc::UnboundedReceiver<Event> {
-        let (a, rx) = self.admission(start, max_tokens);
+    fn admit(&self, state: &mut BatchState, begin: Begin, max_tokens: usize) -> mpsc::UnboundedReceiver<Event> {
+        let (a, rx) = self.admission(begin, max_tokens);
         state.admit(a, &self.tokenizer, &self.metrics);
         rx
     }
@@ -93,7 +101,7 @@ fn a_prefilled_sequence_streams_its_first_token_at_once_then_one_per_step() {
     let f = Fixture::new();
     let mut state = chunked(256);
     // "h" = 7, "i" = 8 in the character tokenizer.
-    let mut rx = f.admit(&mut state, Start::Prefilled { first_token: 7 }, 3);
+    let mut rx = f.admit(&mut state, Begin::Prefilled { first_token: 7 }, 3);
     let mut texts = drain(&mut rx).0;
     assert_eq!(texts, vec!["h"]);
     assert_eq!(state.inputs(&state.plan()), vec![vec![7]]);
@@ -115,12 +123,12 @@ fn a_prefilled_sequence_streams_its_first_token_at_once_then_one_per_step() {
 fn end_of_sequence_finishes_with_stop_and_a_one_token_output_finishes_on_admission() {
     let f = Fixture::new();
     let mut state = chunked(256);
-    let mut rx = f.admit(&mut state, Start::Prefilled { first_token: 0 }, 10);
+    let mut rx = f.admit(&mut state, Begin::Prefilled { first_token: 0 }, 10);
     f.step(&mut state, &[EOS]);
     let (texts, finished, _) = drain(&mut rx);
     assert_eq!(texts, vec!["a", ""]);
     assert_eq!(finished.expect("finished").finish_reason, "stop");
-    let mut one = f.admit(&mut state, Start::Prefilled { first_token: 1 }, 1);
+    let mut one = f.admit(&mut state, Begin::Prefilled { first_token: 1 }, 1);
     assert!(state.is_empty(), "max_tokens 1: done with the prefill worker's token");
     assert_eq!(drain(&mut one).1.expect("finished").completion_tokens, 1);
 }
@@ -129,8 +137,8 @@ fn end_of_sequence_finishes_with_stop_and_a_one_token_output_finishes_on_admissi
 fn chunked_prefill_spreads_a_prompt_over_steps_beside_decode_rows() {
     let f = Fixture::new();
     let mut state = chunked(8);
-    let mut decoding = f.admit(&mut state, Start::Prefilled { first_token: 2 }, 100);
-    let mut prompt = f.admit(&mut state, Start::Prompt((0..20).collect()), 2);
+    let mut decoding = f.admit(&mut state, Begin::Prefilled { first_token: 2 }, 100);
+    let mut prompt = f.admit(&mut state, Begin::Prompt((0..20).collect()), 2);
     // Budget 8 tokens: 1 decode row leaves 7 for the prompt.
     assert_eq!(state.plan(), vec![1, 7]);
     let inputs = state.inputs(&state.plan());
@@ -153,8 +161,8 @@ fn chunked_prefill_spreads_a_prompt_over_steps_beside_decode_rows() {
 fn naive_prefill_runs_one_whole_prompt_per_step() {
     let f = Fixture::new();
     let mut state = BatchState::new(PrefillPolicy::Naive, 8);
-    let _a = f.admit(&mut state, Start::Prompt((0..300).collect()), 2);
-    let _b = f.admit(&mut state, Start::Prompt((0..5).collect()), 2);
+    let _a = f.admit(&mut state, Begin::Prompt((0..300).collect()), 2);
+    let _b = f.admit(&mut state, Begin::Prompt((0..5).collect()), 2);
     assert_eq!(state.plan(), vec![300, 0]);
     f.step(&mut state, &[1]);
     assert_eq!(state.plan(), vec![1, 5]);
@@ -164,8 +172,8 @@ fn naive_prefill_runs_one_whole_prompt_per_step() {
 fn a_full_decode_batch_still_gives_prompts_a_quarter_chunk() {
     let f = Fixture::new();
     let mut state = BatchState::new(PrefillPolicy::Chunked { step_tokens: 8 }, 16);
-    let _rx: Vec<_> = (0..10).map(|_| f.admit(&mut state, Start::Prefilled { first_token: 1 }, 50)).collect();
-    let _p = f.admit(&mut state, Start::Prompt((0..40).collect()), 2);
+    let _rx: Vec<_> = (0..10).map(|_| f.admit(&mut state, Begin::Prefilled { first_token: 1 }, 50)).collect();
+    let _p = f.admit(&mut state, Begin::Prompt((0..40).collect()), 2);
     assert_eq!(state.plan().last(), Some(&2));
     assert_eq!(state.room(), 5);
 }
@@ -174,8 +182,8 @@ fn a_full_decode_batch_still_gives_prompts_a_quarter_chunk() {
 fn a_client_that_went_away_leaves_and_frees_its_blocks() {
     let f = Fixture::new();
     let mut state = chunked(256);
-    let rx = f.admit(&mut state, Start::Prefilled { first_token: 1 }, 50);
-    let _other = f.admit(&mut state, Start::Prefilled { first_token: 1 }, 50);
+    let rx = f.admit(&mut state, Begin::Prefilled { first_token: 1 }, 50);
+    let _other = f.admit(&mut state, Begin::Prefilled { first_token: 1 }, 50);
     drop(rx);
     state.drop_cancelled();
     assert_eq!(state.len(), 1);
@@ -186,8 +194,8 @@ fn a_client_that_went_away_leaves_and_frees_its_blocks() {
 fn fail_all_ends_every_sequence_with_the_status() {
     let f = Fixture::new();
     let mut state = chunked(256);
-    let mut a = f.admit(&mut state, Start::Prefilled { first_token: 1 }, 50);
-    let mut b = f.admit(&mut state, Start::Prompt(vec![1, 2, 3]), 50);
+    let mut a = f.admit(&mut state, Begin::Prefilled { first_token: 1 }, 50);
+    let mut b = f.admit(&mut state, Begin::Prompt(vec![1, 2, 3]), 50);
     state.fail_all(tonic::Status::unavailable("shutting down"));
     assert!(state.is_empty());
     assert_eq!(drain(&mut a).2.expect("error").code(), tonic::Code::Unavailable);
@@ -199,7 +207,7 @@ fn fail_all_ends_every_sequence_with_the_status() {
 fn bad_sampling_is_refused_at_admission() {
     let f = Fixture::new();
     let mut state = chunked(256);
-    let (mut a, mut rx) = f.admission(Start::Prefilled { first_token: 1 }, 5);
+    let (mut a, mut rx) = f.admission(Begin::Prefilled { first_token: 1 }, 5);
     a.params.top_k = Some(0);
     state.admit(a, &f.tokenizer, &f.metrics);
     assert!(state.is_empty());

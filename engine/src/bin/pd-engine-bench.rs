@@ -64,7 +64,7 @@ fn main() -> anyhow::Result<()> {
     let per_seq = args.context + args.steps + 2;
     let long_rows = if args.long_row > 0 { args.long_row + args.steps + 2 + per_seq * 9 } else { 0 };
     let tokens_needed = max_prompt.max(per_seq * (max_batch + 1)) + long_rows;
-    let cache = CacheConfig::with_blocks(tokens_needed.div_ceil(16) + 16);
+    let cache = CacheConfig { prefix_cache: false, ..CacheConfig::with_blocks(tokens_needed.div_ceil(16) + 16) };
     let options = LoadOptions { weights: args.weights, ..LoadOptions::default() };
     let engine =
         Engine::load(&args.model, options, cache).with_context(|| format!("loading {}", args.model.display()))?;

@@ -336,6 +336,13 @@ impl BlockAllocation {
         BlockAllocation { ids: self.ids.split_off(at), hashes: Vec::new(), manager: self.manager.clone() }
     }
 
+    /// Offers the full blocks holding `tokens` (positions 0.., all computed) to the prefix
+    /// cache of this allocation's pool (`BlockManager::register`).
+    pub fn register(&mut self, tokens: &[u32]) {
+        let manager = self.manager.clone();
+        manager.register(self, tokens);
+    }
+
     /// Cache slot (block * block_size + offset) of logical token position `pos`.
     pub fn slot(&self, pos: usize) -> Option<usize> {
         let bs = self.manager.block_size;

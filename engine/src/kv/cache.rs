@@ -118,7 +118,7 @@ impl SequenceKv {
         &self.blocks
     }
 
-    pub fn blocks_mut(&mut self) -> &mut BlockAllocation {
+    pub(crate) fn blocks_mut(&mut self) -> &mut BlockAllocation {
         &mut self.blocks
     }
 
@@ -126,6 +126,13 @@ impl SequenceKv {
     /// (the model does this after a forward; KV import callers after the last layer).
     pub fn commit_len(&mut self, len: usize) {
         self.len = len;
+    }
+
+    /// Offers the full blocks of this sequence whose K/V hold `tokens` (the sequence's tokens
+    /// from position 0; only the first `len()` count) to the prefix cache.
+    pub fn cache_prefix(&mut self, tokens: &[u32]) {
+        let valid = tokens.len().min(self.len);
+        self.blocks.register(&tokens[..valid]);
     }
 
     /// Cache slots of positions `start..end`; the blocks must cover them.

@@ -38,7 +38,8 @@ fn main() -> anyhow::Result<()> {
 
 async fn run(args: &Args) -> anyhow::Result<()> {
     anyhow::ensure!(args.model.is_file(), "no model at {}: run scripts/fetch-model.sh", args.model.display());
-    let cache = CacheConfig::with_blocks(args.prompt_tokens.div_ceil(16) + 8);
+    // Every run computes the whole prompt: the prefix cache would serve repeats.
+    let cache = CacheConfig { prefix_cache: false, ..CacheConfig::with_blocks(args.prompt_tokens.div_ceil(16) + 8) };
     let load = || Engine::load(&args.model, LoadOptions::default(), cache).context("loading the model");
     let prefill = Arc::new(load()?);
     let decode = Arc::new(load()?);
@@ -73,6 +74,7 @@ async fn run(args: &Args) -> anyhow::Result<()> {
         let job = PrefillJob {
             engine: prefill.clone(),
             prompt: prompt.clone(),
+            ship_from: 0,
             header,
             sampling: pd_engine::SamplingParams::greedy(1),
         };

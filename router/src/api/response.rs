@@ -9,11 +9,23 @@ pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// OpenAI's breakdown of the prompt: how much of it a prefix cache served.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: u32,
 }
 
 impl Usage {
-    pub fn new(prompt_tokens: u32, completion_tokens: u32) -> Self {
-        Usage { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+    pub fn new(prompt_tokens: u32, completion_tokens: u32, cached_tokens: u32) -> Self {
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
+        }
     }
 }
 
@@ -179,6 +191,10 @@ mod tests {
         assert_eq!(end, json!({"index": 0, "delta": {}, "finish_reason": "stop"}));
         let text = serde_json::to_value(Choice::of(Kind::Completion, "x".into(), "length".into())).expect("json");
         assert_eq!(text, json!({"index": 0, "text": "x", "finish_reason": "length", "logprobs": null}));
-        assert_eq!(serde_json::to_value(Usage::new(3, 4)).expect("json")["total_tokens"], 7);
+        let usage = serde_json::to_value(Usage::new(3, 4, 2)).expect("json");
+        assert_eq!(
+            (usage["total_tokens"].as_u64(), usage["prompt_tokens_details"]["cached_tokens"].as_u64()),
+            (Some(7), Some(2))
+        );
     }
 }
