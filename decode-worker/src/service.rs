@@ -289,7 +289,7 @@ impl DecodeWorker for DecodeService {
         Ok(Response::new(UnboundedReceiverStream::new(rx)))
     }
 
-    async fn load(&self, _request: Request<pb::LoadRequest>) -> Result<Response<pb::DecodeLoad>, Status> {
+    async fn load(&self, request: Request<pb::LoadRequest>) -> Result<Response<pb::DecodeLoad>, Status> {
         if self.stopping.load(Ordering::Relaxed) {
             // The router's choice skips workers whose load query fails.
             return Err(DecodeError::ShuttingDown.to_status());
@@ -304,6 +304,7 @@ impl DecodeWorker for DecodeService {
             block_size: blocks.block_size() as u32,
             max_batch: self.batcher.max_batch() as u32,
             step_ms: self.batcher.step_ms(),
+            cache: pd_kv_transfer::convert::cache_events(blocks, request.get_ref()),
         }))
     }
 }

@@ -148,6 +148,47 @@ impl Target {
     }
 }
 
+/// Most cache events in one `Load` answer (the rest come with the next one).
+pub const MAX_CACHE_EVENTS: usize = 4096;
+
+/// The prefix-cache part of a worker's `Load` answer for a router following it from the point
+/// `req` names: the events since then, or a snapshot when the point is of another instance or
+/// no longer in the log. None when the pool has no prefix cache.
+pub fn cache_events(blocks: &pd_engine::BlockManager, req: &pb::LoadRequest) -> Option<pb::CacheEvents> {
+    let seed = blocks.prefix_seed()?;
+    let mut out = pb::CacheEvents {
+        instance: blocks.instance(),
+        hash_seed: seed,
+        block_size: blocks.block_size() as u32,
+        ..Default::default()
+    };
+    let events = if req.cache_instance == blocks.instance() {
+        blocks.events_since(req.cache_events_after, MAX_CACHE_EVENTS)
+    } else {
+        pd_engine::EventsSince::Gap
+    };
+    match events {
+        pd_engine::EventsSince::Events(events) => {
+            out.last_seq = events.last().map_or(req.cache_events_after.min(blocks.last_event()), |e| e.seq);
+            out.events = events
+                .into_iter()
+                .map(|e| pb::CacheEvent {
+                    seq: e.seq,
+                    stored: e.kind == pd_engine::BlockEventKind::Stored,
+                    hash: e.hash,
+                })
+                .collect();
+        }
+        pd_engine::EventsSince::Gap => {
+            let (last_seq, hashes) = blocks.cached_snapshot();
+            out.snapshot = true;
+            out.last_seq = last_seq;
+            out.snapshot_hashes = hashes;
+        }
+    }
+    Some(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -190,6 +231,22 @@ mod tests {
         assert!(sampling_from_pb(Some(&zero)).expect_err("zero").message.contains("max_tokens"));
         let negative = pb::SamplingParams { max_tokens: 1, temperature: -1.0, ..Default::default() };
         assert!(sampling_from_pb(Some(&negative)).expect_err("negative").message.contains("temperature"));
+    }
+
+    #[test]
+    fn cache_events_follow_a_pool_and_snapshot_another_instance() {
+        let blocks = pd_engine::BlockManager::with_prefix_cache(8, 2, 5);
+        assert!(cache_events(&pd_engine::BlockManager::new(4, 2), &pb::LoadRequest::default()).is_none());
+        let (mut a, _) = blocks.allocate_prefix(&[1, 2, 3, 4, 5], 5).expect("3 blocks");
+        a.register(&[1, 2, 3, 4, 5]);
+        let first = cache_events(&blocks, &pb::LoadRequest::default()).expect("on");
+        assert!(first.snapshot && first.snapshot_hashes.len() == 2 && first.last_seq == 2);
+        let cursor = pb::LoadRequest { cache_events_after: 1, cache_instance: blocks.instance() };
+        let next = cache_events(&blocks, &cursor).expect("on");
+        assert!(!next.snapshot);
+        assert_eq!(next.events.iter().map(|e| (e.seq, e.stored)).collect::<Vec<_>>(), vec![(2, true)]);
+        let idle = cache_events(&blocks, &pb::LoadRequest { cache_events_after: 2, ..cursor }).expect("on");
+        assert_eq!((idle.events.len(), idle.last_seq, idle.snapshot), (0, 2, false));
     }
 
     #[test]

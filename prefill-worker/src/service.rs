@@ -252,7 +252,7 @@ impl PrefillWorker for PrefillService {
         }))
     }
 
-    async fn load(&self, _request: Request<pb::LoadRequest>) -> Result<Response<pb::PrefillLoad>, Status> {
+    async fn load(&self, request: Request<pb::LoadRequest>) -> Result<Response<pb::PrefillLoad>, Status> {
         if self.stopping.load(Ordering::Relaxed) {
             // The router's choice skips workers whose load query fails.
             return Err(PrefillError::ShuttingDown.to_status());
@@ -263,6 +263,7 @@ impl PrefillWorker for PrefillService {
             queued_prefills: self.gauges.queued.load(Ordering::Relaxed),
             prefill_tokens_per_s: self.steps.tokens_per_s(),
             max_partial_prefills: self.config.step.max_prompts as u32,
+            cache: pd_kv_transfer::convert::cache_events(self.engine.blocks(), request.get_ref()),
         }))
     }
 }

@@ -121,7 +121,8 @@ async fn queue(
 ) -> Result<Grant, RouterError> {
     let span = pd_telemetry::StageSpan::start("router.queue", record.span().context());
     span.set("pd.class", class.name.clone());
-    let granted = match scheduler.submit(class, req.prompt_tokens.len(), req.params.max_tokens) {
+    let prompt = Arc::new(crate::schedule::Prompt::new(req.prompt_tokens.clone()));
+    let granted = match scheduler.submit(class, prompt, req.params.max_tokens) {
         Ok(pending) => pending.granted().await,
         Err(e) => Err(e),
     };

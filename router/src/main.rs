@@ -47,6 +47,10 @@ struct Args {
     /// wait for a new short prompt (conditional disaggregation's `min-wait` rule).
     #[arg(long, default_value_t = 256)]
     prefill_step_tokens: usize,
+    /// Cache-aware routing: in the choice of a decode worker, each prompt block a worker does
+    /// not hold in its prefix cache counts as this many KV blocks of load (0: ignore caches).
+    #[arg(long, env = "PD_PREFIX_WEIGHT", default_value_t = 2.0, value_parser = non_negative)]
+    prefix_weight: f64,
     /// Decode workers, host:port (DNS names are re-resolved on every request).
     #[arg(long, env = "PD_DECODE_WORKERS", value_delimiter = ',', required = true)]
     decode: Vec<String>,
@@ -93,6 +97,7 @@ async fn main() -> anyhow::Result<()> {
             },
             prior_tokens_per_s: args.prefill_tokens_per_s,
             step_budget: args.prefill_step_tokens,
+            prefix_weight: args.prefix_weight,
         },
         limits: pd_router::Limits {
             max_tokens: args.max_tokens,
@@ -116,4 +121,12 @@ async fn main() -> anyhow::Result<()> {
     }
     drop(telemetry); // flushes pending spans
     result
+}
+
+/// A finite number >= 0.
+fn non_negative(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!("`{s}` is not a number >= 0")),
+    }
 }

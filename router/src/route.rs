@@ -35,16 +35,22 @@ pub fn route(
     record: &mut RequestRecord,
 ) -> Result<Route, RouterError> {
     let span = pd_telemetry::StageSpan::start("router.route", record.span().context());
-    let Grant { decode, prefill, place, waited, prefill_wait, ticket } = grant;
+    let Grant { decode, prefill, place, waited, prefill_wait, decode_cached, prefill_cached, ticket } = grant;
     let wait_ms = prefill_wait.map_or(-1.0, ms);
     span.set("pd.route.where", place.where_label());
     span.set("pd.route.reason", place.reason());
     span.set("pd.route.queue_ms", ms(waited));
     span.set("pd.route.prefill_wait_estimate_ms", wait_ms);
+    span.set("pd.route.decode_cached_tokens", decode_cached as i64);
+    span.set("pd.route.prefill_cached_tokens", prefill_cached as i64);
     metrics.route_decisions.with_label_values(&[place.where_label(), place.reason()]).inc();
-    let picked = pools.decode_client(&decode, "most free KV blocks with room".into()).and_then(|d| {
+    let why_decode = format!("least load with room, {decode_cached} prompt tokens cached");
+    let picked = pools.decode_client(&decode, why_decode).and_then(|d| {
         let p = match &prefill {
-            Some(addr) => Some(pools.prefill_client(addr, format!("shortest estimated wait: {wait_ms:.0} ms"))?),
+            Some(addr) => Some(pools.prefill_client(
+                addr,
+                format!("soonest first token: {wait_ms:.0} ms wait, {prefill_cached} prompt tokens cached"),
+            )?),
             None => None,
         };
         Ok((d, p))

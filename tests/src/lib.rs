@@ -261,7 +261,7 @@ impl Cluster {
             pd_proto::v1::decode_worker_client::DecodeWorkerClient::connect(format!("http://{}", self.decode_addr))
                 .await
                 .expect("connect to the decode worker");
-        client.load(pd_proto::v1::LoadRequest {}).await.expect("load").into_inner()
+        client.load(pd_proto::v1::LoadRequest::default()).await.expect("load").into_inner()
     }
 
     /// Waits (up to `timeout`) until the decode worker holds no KV blocks; panics naming
@@ -287,7 +287,7 @@ impl Cluster {
         ))
         .await
         .ok()?;
-        client.load(pd_proto::v1::LoadRequest {}).await.ok().map(|r| r.into_inner())
+        client.load(pd_proto::v1::LoadRequest::default()).await.ok().map(|r| r.into_inner())
     }
 }
 

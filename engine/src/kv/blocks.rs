@@ -100,6 +100,14 @@ impl Pool {
     }
 }
 
+/// A random nonzero id (std's randomly keyed hasher over the time: no RNG dependency).
+fn random_instance() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.finish().max(1)
+}
+
 /// Shared handle to the block pool. Cloning is cheap; all clones see one pool.
 #[derive(Debug, Clone)]
 pub struct BlockManager {
@@ -107,6 +115,8 @@ pub struct BlockManager {
     block_size: usize,
     /// Hash seed of this pool's prefix cache; None when prefix caching is off.
     seed: Option<u64>,
+    /// Random id of this pool, so a follower of its events notices a new one (a restart).
+    instance: u64,
 }
 
 impl BlockManager {
@@ -135,7 +145,7 @@ impl BlockManager {
             queried_tokens: 0,
             hit_tokens: 0,
         };
-        BlockManager { pool: Arc::new(Mutex::new(pool)), block_size, seed }
+        BlockManager { pool: Arc::new(Mutex::new(pool)), block_size, seed, instance: random_instance() }
     }
 
     fn lock(&self) -> MutexGuard<'_, Pool> {
@@ -145,6 +155,11 @@ impl BlockManager {
 
     pub fn block_size(&self) -> usize {
         self.block_size
+    }
+
+    /// Random nonzero id of this pool (its cache events are numbered per instance).
+    pub fn instance(&self) -> u64 {
+        self.instance
     }
 
     /// The prefix hash seed, when prefix caching is on.

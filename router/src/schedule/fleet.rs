@@ -4,9 +4,11 @@
 //! choice among hundreds of workers is a scan of memory.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pd_proto::v1 as pb;
+
+use super::prefixes::{PrefixIndex, Prompt};
 
 /// A decode worker takes new streams while its step time is under this fraction of the
 /// tightest ITL SLO among its streams.
@@ -23,11 +25,23 @@ pub struct DecodeState {
     pub ours: u32,
     /// The ITL SLO of each of them (the tightest one bounds the step time).
     pub itl_slos: Vec<Duration>,
+    /// Blocks of those requests (prompt and output each, shared prefixes counted per
+    /// request: every stream reads its whole context each step).
+    pub active_blocks: u32,
+    pub prefixes: PrefixIndex,
 }
 
 impl DecodeState {
-    pub fn new(addr: String, load: pb::DecodeLoad) -> Self {
-        DecodeState { addr, load, pending_blocks: 0, ours: 0, itl_slos: Vec::new() }
+    pub fn new(addr: String, mut load: pb::DecodeLoad) -> Self {
+        let mut prefixes = PrefixIndex::default();
+        prefixes.apply(load.cache.take(), load.block_size);
+        DecodeState { addr, load, pending_blocks: 0, ours: 0, itl_slos: Vec::new(), active_blocks: 0, prefixes }
+    }
+
+    /// Load in blocks: this router's active requests', or what the worker uses if more.
+    pub fn load_blocks(&self) -> u32 {
+        let used = self.load.total_blocks.saturating_sub(self.free_blocks());
+        self.active_blocks.max(used)
     }
 
     pub fn free_blocks(&self) -> u32 {
@@ -74,11 +88,14 @@ pub struct PrefillState {
     pub load: pb::PrefillLoad,
     /// This router's prompts on the worker: (ticket id, tokens).
     pub in_flight: Vec<(u64, usize)>,
+    pub prefixes: PrefixIndex,
 }
 
 impl PrefillState {
-    pub fn new(addr: String, load: pb::PrefillLoad) -> Self {
-        PrefillState { addr, load, in_flight: Vec::new() }
+    pub fn new(addr: String, mut load: pb::PrefillLoad) -> Self {
+        let mut prefixes = PrefixIndex::default();
+        prefixes.apply(load.cache.take(), 0);
+        PrefillState { addr, load, in_flight: Vec::new(), prefixes }
     }
 
     /// Prompts the worker runs together in one step.
@@ -141,16 +158,22 @@ impl Fleet {
         let mut old_d: HashMap<String, DecodeState> = self.decode.drain(..).map(|d| (d.addr.clone(), d)).collect();
         self.decode = decode
             .into_iter()
-            .map(|(addr, load)| match old_d.remove(&addr) {
-                Some(d) => DecodeState { load, ..d },
+            .map(|(addr, mut load)| match old_d.remove(&addr) {
+                Some(mut d) => {
+                    d.prefixes.apply(load.cache.take(), load.block_size);
+                    DecodeState { load, ..d }
+                }
                 None => DecodeState::new(addr, load),
             })
             .collect();
         let mut old_p: HashMap<String, PrefillState> = self.prefill.drain(..).map(|p| (p.addr.clone(), p)).collect();
         self.prefill = prefill
             .into_iter()
-            .map(|(addr, load)| match old_p.remove(&addr) {
-                Some(p) => PrefillState { load, ..p },
+            .map(|(addr, mut load)| match old_p.remove(&addr) {
+                Some(mut p) => {
+                    p.prefixes.apply(load.cache.take(), 0);
+                    PrefillState { load, ..p }
+                }
                 None => PrefillState::new(addr, load),
             })
             .collect();
@@ -173,6 +196,27 @@ impl Fleet {
             .max_by_key(|d| (d.free_blocks(), std::cmp::Reverse(d.busy())))
     }
 
+    /// The decode worker for `prompt` (needing `blocks`, ITL SLO `itl`) among those with room:
+    /// the lowest cost, counting each prompt block it lacks (to be shipped and stored) as
+    /// `weight` blocks of load, so a held prefix attracts its requests until the holder is
+    /// that much busier than another worker. With the cached tokens expected there.
+    pub fn choose_decode(
+        &self,
+        blocks: u32,
+        itl: Duration,
+        prompt: &Prompt,
+        weight: f64,
+        now: Instant,
+    ) -> Option<(&DecodeState, usize)> {
+        let scored = self.decode.iter().filter(|d| d.has_room(blocks, itl)).map(|d| {
+            let cached = d.prefixes.cached_tokens(prompt, now);
+            let missing = d.blocks_for(prompt.len()).saturating_sub(d.blocks_for(cached)) as f64;
+            let cost = weight * missing + f64::from(d.load_blocks());
+            (d, cached, cost)
+        });
+        scored.min_by(|a, b| a.2.total_cmp(&b.2).then(b.0.free_blocks().cmp(&a.0.free_blocks()))).map(|(d, c, _)| (d, c))
+    }
+
     /// The prefill worker with the shortest estimated wait, among those with a free slot.
     pub fn best_prefill(
         &self,
@@ -185,6 +229,26 @@ impl Fleet {
             .filter(|p| p.has_room(top_priority))
             .map(|p| (p, self.wait_of(p, prior, step_budget)))
             .min_by_key(|(_, w)| *w)
+    }
+
+    /// The prefill worker, among those with a free slot, that gives `prompt` its first token
+    /// soonest: its estimated wait plus computing the part of the prompt it has not cached.
+    /// With that wait and the cached tokens expected there.
+    pub fn choose_prefill(
+        &self,
+        top_priority: bool,
+        prior: f64,
+        step_budget: usize,
+        prompt: &Prompt,
+        now: Instant,
+    ) -> Option<(&PrefillState, Duration, usize)> {
+        let scored = self.prefill.iter().filter(|p| p.has_room(top_priority)).map(|p| {
+            let wait = self.wait_of(p, prior, step_budget);
+            let cached = p.prefixes.cached_tokens(prompt, now);
+            let compute = super::policy::estimated_wait(0, prompt.len() - cached.min(prompt.len()), p.rate(prior));
+            (p, wait, cached, wait + compute)
+        });
+        scored.min_by_key(|s| s.3).map(|(p, w, c, _)| (p, w, c))
     }
 
     /// A worker's estimated wait for a new short prompt: its prompts in flight, each up to
@@ -265,4 +329,62 @@ mod tests {
         fleet.prefill_mut("p").expect("p").load.waiting_prefill_tokens = 1024;
         assert_eq!(fleet.prefill_mut("p").expect("p").in_flight_tokens(), vec![1024]);
     }
+
+    fn holding(prompt: &Prompt, blocks: usize) -> Option<pb::CacheEvents> {
+        let hashes = prompt.hashes(3, 16)[..blocks].to_vec();
+        Some(pb::CacheEvents {
+            instance: 1,
+            hash_seed: 3,
+            block_size: 16,
+            snapshot: true,
+            snapshot_hashes: hashes,
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn a_held_prefix_attracts_its_requests_until_the_holder_is_much_busier() {
+        let prompt = Prompt::new((0..1600).collect());
+        let mut fleet = Fleet::default();
+        let hot = pb::DecodeLoad { cache: holding(&prompt, 90), ..decode(1000, 0, 64) };
+        fleet.apply(vec![("a".into(), decode(1000, 0, 64)), ("b".into(), hot)], vec![]);
+        let (itl, now) = (Duration::from_millis(100), Instant::now());
+        let (d, cached) = fleet.choose_decode(110, itl, &prompt, 2.0, now).expect("room");
+        assert_eq!((d.addr.as_str(), cached), ("b", 1440));
+        // b runs one such request more than a: still b (the 90 blocks it holds weigh 180).
+        fleet.decode_mut("b").expect("b").active_blocks = 110;
+        assert_eq!(fleet.choose_decode(110, itl, &prompt, 2.0, now).expect("room").0.addr, "b");
+        // Two more: the load wins and the prompt goes to a.
+        fleet.decode_mut("b").expect("b").active_blocks = 220;
+        assert_eq!(fleet.choose_decode(110, itl, &prompt, 2.0, now).expect("room").0.addr, "a");
+        // Weight 0 ignores caches: the least loaded.
+        fleet.decode_mut("b").expect("b").active_blocks = 10;
+        assert_eq!(fleet.choose_decode(110, itl, &prompt, 0.0, now).expect("room").0.addr, "a");
+    }
+
+    #[test]
+    fn the_prefill_worker_is_the_one_with_the_soonest_first_token() {
+        let prompt = Prompt::new((0..1600).collect());
+        let base = pb::PrefillLoad { max_partial_prefills: 4, prefill_tokens_per_s: 1000.0, ..Default::default() };
+        let warm = pb::PrefillLoad { cache: holding(&prompt, 99), ..base.clone() };
+        let mut fleet = Fleet::default();
+        fleet.apply(vec![], vec![("cold".into(), base), ("warm".into(), warm)]);
+        let now = Instant::now();
+        let (p, wait, cached) = fleet.choose_prefill(true, 300.0, 256, &prompt, now).expect("room");
+        assert_eq!((p.addr.as_str(), wait, cached), ("warm", Duration::ZERO, 1584));
+        // The warm one busy with 3 prompts of 256 still ahead: 0.77 s + 0.016 s < 1.6 s cold.
+        let busy = fleet.prefill_mut("warm").expect("warm");
+        busy.in_flight = vec![(1, 256), (2, 256), (3, 256)];
+        assert_eq!(fleet.choose_prefill(true, 300.0, 256, &prompt, now).expect("room").0.addr, "warm");
+        busy_more(&mut fleet);
+        assert_eq!(fleet.choose_prefill(true, 300.0, 256, &prompt, now).expect("room").0.addr, "cold");
+    }
+
+    fn busy_more(fleet: &mut Fleet) {
+        let p = fleet.prefill_mut("warm").expect("warm");
+        p.in_flight = vec![(1, 2048), (2, 2048), (3, 2048)];
+        p.load.max_partial_prefills = 8;
+        p.load.prefill_tokens_per_s = 300.0;
+    }
 }
+

@@ -6,10 +6,14 @@
 //! and where the prompt is prefilled (`policy::place`), and holds a `Ticket` that gives the
 //! capacity back as the request moves on (prefill done, stream ended).
 //!
-//! Worker state comes from `fleet` (a periodic refresh plus this router's own dispatches).
+//! Worker state comes from `fleet` (a periodic refresh plus this router's own dispatches);
+//! which prefixes each worker caches from `prefixes` (the workers' cache events): the
+//! decode worker is chosen by load and the prompt blocks it lacks, the prefill worker by the
+//! time to the first token (its wait plus the uncached part's compute).
 
 pub mod fleet;
 pub mod policy;
+pub mod prefixes;
 mod refresh;
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -23,6 +27,7 @@ use crate::error::RouterError;
 use crate::workers::Pools;
 use fleet::Fleet;
 use policy::{LocalRule, Place, Waiting};
+pub use prefixes::Prompt;
 
 pub use refresh::spawn_refresh;
 
@@ -38,6 +43,9 @@ pub struct ScheduleConfig {
     /// Tokens of each prompt in flight counted at most when estimating a prefill worker's
     /// wait for a new short prompt (about one step's worth: longer prompts run beside it).
     pub step_budget: usize,
+    /// In the choice of a decode worker, each prompt block a worker lacks counts as this many
+    /// blocks of load (0: ignore prefix caches).
+    pub prefix_weight: f64,
 }
 
 impl Default for ScheduleConfig {
@@ -52,6 +60,7 @@ impl Default for ScheduleConfig {
             },
             prior_tokens_per_s: 300.0,
             step_budget: 256,
+            prefix_weight: 2.0,
         }
     }
 }
@@ -67,10 +76,18 @@ pub struct Grant {
     pub waited: Duration,
     /// The chosen prefill worker's estimated wait at dispatch (None without a pool).
     pub prefill_wait: Option<Duration>,
+    /// Prompt tokens the chosen workers are expected to hold in their prefix caches.
+    pub decode_cached: usize,
+    pub prefill_cached: usize,
     pub ticket: Ticket,
 }
 
-type Reply = oneshot::Sender<Grant>;
+/// What a waiting request carries besides its place in the queue.
+#[derive(Debug)]
+struct Reply {
+    tx: oneshot::Sender<Grant>,
+    prompt: Arc<Prompt>,
+}
 
 #[derive(Debug, Default)]
 struct Inner {
@@ -123,13 +140,14 @@ impl Scheduler {
         self.classes.all().iter().map(|c| c.spec.priority).max().unwrap_or(0)
     }
 
-    /// Admits a request of `class` with `tokens` prompt tokens into the queue, or refuses it.
+    /// Admits a request of `class` for `prompt` into the queue, or refuses it.
     pub fn submit(
         self: &Arc<Self>,
         class: &Arc<Class>,
-        tokens: usize,
+        prompt: Arc<Prompt>,
         max_tokens: usize,
     ) -> Result<Pending, RouterError> {
+        let tokens = prompt.len();
         let mut inner = self.lock();
         if inner.fleet.decode.is_empty() {
             return Err(RouterError::NoWorker("decode"));
@@ -184,7 +202,7 @@ impl Scheduler {
             deadline: now + class.ttft_slo(),
             expires: now + class.max_queue_age(),
             itl_slo: Duration::from_millis(class.spec.itl_slo_ms),
-            reply: tx,
+            reply: Reply { tx, prompt },
         });
         inner.queued_tokens[class.index] += tokens as u64;
         self.dispatch(&mut inner);
@@ -204,7 +222,7 @@ impl Scheduler {
             let Some(grant) = self.place(inner, i, top) else { break };
             let w = inner.waiting.swap_remove(i);
             inner.queued_tokens[w.class] -= w.tokens as u64;
-            if let Err(mut grant) = w.reply.send(grant) {
+            if let Err(mut grant) = w.reply.tx.send(grant) {
                 grant.ticket.release(inner, false); // its client left while it waited
             }
         }
@@ -222,17 +240,20 @@ impl Scheduler {
     fn place(self: &Arc<Self>, inner: &mut Inner, i: usize, top: i32) -> Option<Grant> {
         let w = &inner.waiting[i];
         let cfg = &self.config;
-        let decode = inner.fleet.best_decode(0, w.itl_slo)?;
+        let (prompt, now) = (w.reply.prompt.clone(), Instant::now());
+        let probe = inner.fleet.best_decode(0, w.itl_slo)?;
         // The decode worker reserves the prompt and the whole output.
-        let blocks = decode.blocks_for(w.tokens + w.max_tokens);
-        let decode = inner.fleet.best_decode(blocks, w.itl_slo)?;
+        let blocks = probe.blocks_for(w.tokens + w.max_tokens);
+        let (decode, decode_cached) = inner.fleet.choose_decode(blocks, w.itl_slo, &prompt, cfg.prefix_weight, now)?;
         let (pool_wait, _) = inner.fleet.prefill_pool(cfg.prior_tokens_per_s, cfg.step_budget);
         let place = policy::place(&cfg.local, w.tokens, w.max_tokens, pool_wait, decode.free_fraction());
         let prefill = if place.is_local() {
             None
         } else {
-            let (p, wait) = inner.fleet.best_prefill(w.priority >= top, cfg.prior_tokens_per_s, cfg.step_budget)?;
-            Some((p.addr.clone(), wait))
+            let top = w.priority >= top;
+            let (p, wait, cached) =
+                inner.fleet.choose_prefill(top, cfg.prior_tokens_per_s, cfg.step_budget, &prompt, now)?;
+            Some((p.addr.clone(), wait, cached))
         };
         let (decode_addr, seq, tokens, waited, itl) =
             (decode.addr.clone(), w.seq, w.tokens, w.arrived.elapsed(), w.itl_slo);
@@ -248,10 +269,13 @@ impl Scheduler {
             d.pending_blocks += blocks;
             d.ours += 1;
             d.itl_slos.push(itl);
+            d.active_blocks += blocks;
+            d.prefixes.routed(&prompt, now);
         }
-        if let Some((addr, _)) = &prefill {
+        if let Some((addr, ..)) = &prefill {
             if let Some(p) = inner.fleet.prefill_mut(addr) {
                 p.in_flight.push((seq, tokens));
+                p.prefixes.routed(&prompt, now);
             }
         }
         let ticket = Ticket {
@@ -259,16 +283,18 @@ impl Scheduler {
             seq,
             decode: decode_addr.clone(),
             blocks,
-            prefill: prefill.as_ref().map(|(a, _)| a.clone()),
+            prefill: prefill.as_ref().map(|(a, ..)| a.clone()),
             decode_opened: false,
             itl,
         };
         Some(Grant {
             decode: decode_addr,
-            prefill: prefill.as_ref().map(|(a, _)| a.clone()),
+            prefill: prefill.as_ref().map(|(a, ..)| a.clone()),
             place,
             waited,
-            prefill_wait: prefill.map(|(_, w)| w).or(pool_wait),
+            prefill_wait: prefill.as_ref().map(|(_, w, _)| *w).or(pool_wait),
+            decode_cached,
+            prefill_cached: prefill.map_or(0, |(.., c)| c),
             ticket,
         })
     }
@@ -291,6 +317,14 @@ impl Scheduler {
     pub fn ready(&self) -> bool {
         let inner = self.lock();
         !inner.fleet.decode.is_empty() && (self.pools.prefill.specs_empty() || !inner.fleet.prefill.is_empty())
+    }
+
+    /// The `Load` request for each known worker: where its cache events continue.
+    fn cursors(&self) -> (refresh::Cursors, refresh::Cursors) {
+        let inner = self.lock();
+        let decode = inner.fleet.decode.iter().map(|d| (d.addr.clone(), d.prefixes.cursor())).collect();
+        let prefill = inner.fleet.prefill.iter().map(|p| (p.addr.clone(), p.prefixes.cursor())).collect();
+        (decode, prefill)
     }
 
     /// Takes a refresh's loads and dispatches what now fits; with no decode worker left,
@@ -435,6 +469,7 @@ impl Ticket {
         self.prefill_locked(fleet);
         if let Some(d) = fleet.decode_mut(&self.decode) {
             d.ours = d.ours.saturating_sub(1);
+            d.active_blocks = d.active_blocks.saturating_sub(self.blocks);
             if let Some(i) = d.itl_slos.iter().position(|x| *x == self.itl) {
                 d.itl_slos.swap_remove(i);
             }

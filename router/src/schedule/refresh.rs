@@ -1,6 +1,7 @@
 //! The periodic refresh: every interval, one concurrent round of `Load` calls to every
 //! resolved worker address (names re-resolved each round, so pods come and go); a worker that
-//! does not answer within the timeout leaves the fleet until it answers again.
+//! does not answer within the timeout leaves the fleet until it answers again. Each call asks
+//! for the worker's prefix-cache events after the last one the router applied.
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -16,10 +17,17 @@ use crate::workers::Pool;
 /// How long a load query may take before the worker counts as gone for this round.
 const LOAD_TIMEOUT: Duration = Duration::from_millis(500);
 
-async fn poll_decode(pool: &Pool) -> Vec<(String, pb::DecodeLoad)> {
+/// Per worker address, the `Load` request that continues its cache events.
+pub(super) type Cursors = Vec<(String, pb::LoadRequest)>;
+
+fn cursor(cursors: &Cursors, addr: &str) -> pb::LoadRequest {
+    cursors.iter().find(|(a, _)| a == addr).map(|(_, c)| *c).unwrap_or_default()
+}
+
+async fn poll_decode(pool: &Pool, cursors: &Cursors) -> Vec<(String, pb::DecodeLoad)> {
     let calls = pool.endpoints().await.into_iter().map(|addr| async move {
         let mut client = DecodeWorkerClient::new(pool.channel(&addr).ok()?);
-        match tokio::time::timeout(LOAD_TIMEOUT, client.load(pb::LoadRequest {})).await {
+        match tokio::time::timeout(LOAD_TIMEOUT, client.load(cursor(cursors, &addr))).await {
             Ok(Ok(load)) => Some((addr, load.into_inner())),
             _ => {
                 pool.forget(&addr);
@@ -30,10 +38,10 @@ async fn poll_decode(pool: &Pool) -> Vec<(String, pb::DecodeLoad)> {
     join_all(calls).await.into_iter().flatten().collect()
 }
 
-async fn poll_prefill(pool: &Pool) -> Vec<(String, pb::PrefillLoad)> {
+async fn poll_prefill(pool: &Pool, cursors: &Cursors) -> Vec<(String, pb::PrefillLoad)> {
     let calls = pool.endpoints().await.into_iter().map(|addr| async move {
         let mut client = PrefillWorkerClient::new(pool.channel(&addr).ok()?);
-        match tokio::time::timeout(LOAD_TIMEOUT, client.load(pb::LoadRequest {})).await {
+        match tokio::time::timeout(LOAD_TIMEOUT, client.load(cursor(cursors, &addr))).await {
             Ok(Ok(load)) => Some((addr, load.into_inner())),
             _ => {
                 pool.forget(&addr);
@@ -47,7 +55,8 @@ async fn poll_prefill(pool: &Pool) -> Vec<(String, pb::PrefillLoad)> {
 /// One round: reads every worker's load and hands it to the scheduler.
 pub async fn refresh_once(scheduler: &Arc<Scheduler>) {
     let pools = scheduler.pools.clone();
-    let (decode, prefill) = tokio::join!(poll_decode(&pools.decode), poll_prefill(&pools.prefill));
+    let (dc, pc) = scheduler.cursors();
+    let (decode, prefill) = tokio::join!(poll_decode(&pools.decode, &dc), poll_prefill(&pools.prefill, &pc));
     scheduler.refreshed(decode, prefill);
 }
 

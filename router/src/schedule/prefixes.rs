@@ -1,0 +1,222 @@
+//! The router's index of what each worker's prefix cache holds, for cache-aware choice.
+//!
+//! A worker that publishes cache events (`CacheEvents` in its `Load` answer) is followed
+//! exactly: the router asks for the events after the last sequence number it applied, under
+//! the worker's cache instance id; a restarted worker (new instance), a gap in the numbers or
+//! a log that no longer reaches back that far gets a full snapshot instead. A worker that does
+//! not publish is credited with the prefixes this router sent it, for `ROUTED_TTL`.
+//! Lookups hash the prompt the way the worker does (`pd_engine::kv::prefix`, the worker's
+//! seed and block size) and count its leading blocks found.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use pd_engine::kv::prefix;
+use pd_proto::v1 as pb;
+
+/// How long a prefix routed to a worker that publishes no events counts as cached there.
+pub const ROUTED_TTL: Duration = Duration::from_secs(120);
+
+/// Block size assumed for a worker that reports none (the engine's default).
+const DEFAULT_BLOCK_SIZE: u32 = 16;
+
+/// One worker's cached block hashes.
+#[derive(Debug, Default, Clone)]
+pub struct PrefixIndex {
+    /// From the worker's events (None: it does not publish).
+    followed: Option<Followed>,
+    /// Hashes (seed 0) this router routed there, with their expiry.
+    routed: HashMap<u64, Instant>,
+    routed_block_size: u32,
+}
+
+#[derive(Debug, Clone)]
+struct Followed {
+    instance: u64,
+    seed: u64,
+    block_size: u32,
+    last_seq: u64,
+    hashes: HashSet<u64>,
+}
+
+impl PrefixIndex {
+    /// What to ask the worker for in the next `Load`: events after this point of this instance.
+    pub fn cursor(&self) -> pb::LoadRequest {
+        match &self.followed {
+            Some(f) => pb::LoadRequest { cache_events_after: f.last_seq, cache_instance: f.instance },
+            None => pb::LoadRequest::default(),
+        }
+    }
+
+    /// Applies one `Load` answer's cache part; `block_size` is the worker's (0: unknown).
+    pub fn apply(&mut self, events: Option<pb::CacheEvents>, block_size: u32) {
+        self.routed_block_size = if block_size > 0 { block_size } else { DEFAULT_BLOCK_SIZE };
+        let Some(e) = events else {
+            self.followed = None;
+            return;
+        };
+        let same = self.followed.as_ref().is_some_and(|f| f.instance == e.instance && f.seed == e.hash_seed);
+        if e.snapshot || !same {
+            let hashes: HashSet<u64> = e.snapshot_hashes.iter().copied().collect();
+            let base = Followed {
+                instance: e.instance,
+                seed: e.hash_seed,
+                block_size: e.block_size,
+                last_seq: if e.snapshot { e.last_seq } else { 0 },
+                hashes,
+            };
+            self.followed = Some(base);
+            self.routed.clear();
+            if !e.snapshot {
+                // A new instance answered events meant for the old one: ask for a snapshot.
+                return;
+            }
+        }
+        let Some(f) = self.followed.as_mut() else { return };
+        for ev in &e.events {
+            if ev.seq <= f.last_seq {
+                continue;
+            }
+            if ev.seq != f.last_seq + 1 {
+                // A gap: start over from a snapshot at the next refresh.
+                f.last_seq = 0;
+                f.instance = 0;
+                return;
+            }
+            f.last_seq = ev.seq;
+            if ev.stored {
+                f.hashes.insert(ev.hash);
+            } else {
+                f.hashes.remove(&ev.hash);
+            }
+        }
+    }
+
+    /// True when the worker publishes its cache.
+    pub fn followed(&self) -> bool {
+        self.followed.is_some()
+    }
+
+    /// Blocks this worker holds of the prompt (leading full blocks, never the one of its last
+    /// token, which is always computed), in tokens.
+    pub fn cached_tokens(&self, prompt: &Prompt, now: Instant) -> usize {
+        let (seed, bs) = match &self.followed {
+            Some(f) => (f.seed, f.block_size),
+            None => (0, self.routed_block_size),
+        };
+        let hashes = prompt.hashes(seed, bs);
+        let found = match &self.followed {
+            Some(f) => hashes.iter().take_while(|h| f.hashes.contains(h)).count(),
+            None => hashes.iter().take_while(|h| self.routed.get(h).is_some_and(|t| *t > now)).count(),
+        };
+        found * bs as usize
+    }
+
+    /// A prompt was routed here: without events, remember its blocks for `ROUTED_TTL`.
+    pub fn routed(&mut self, prompt: &Prompt, now: Instant) {
+        if self.followed.is_some() {
+            return;
+        }
+        self.routed.retain(|_, t| *t > now);
+        for h in prompt.hashes(0, self.routed_block_size).iter() {
+            self.routed.insert(*h, now + ROUTED_TTL);
+        }
+    }
+
+    /// Cached hashes known (events) or remembered (routed), for tests and debugging.
+    pub fn len(&self) -> usize {
+        self.followed.as_ref().map_or(self.routed.len(), |f| f.hashes.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Block hashes of a prompt for one (seed, block size).
+type Hashes = ((u64, u32), std::sync::Arc<Vec<u64>>);
+
+/// A prompt's tokens and its block hashes, computed once per (seed, block size).
+#[derive(Debug, Default)]
+pub struct Prompt {
+    tokens: Vec<u32>,
+    memo: std::sync::Mutex<Vec<Hashes>>,
+}
+
+impl Prompt {
+    pub fn new(tokens: Vec<u32>) -> Self {
+        Prompt { tokens, memo: Default::default() }
+    }
+
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Hashes of the full blocks before the last token (the part a worker may have cached).
+    pub fn hashes(&self, seed: u64, block_size: u32) -> std::sync::Arc<Vec<u64>> {
+        let mut memo = self.memo.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, h)) = memo.iter().find(|(k, _)| *k == (seed, block_size)) {
+            return h.clone();
+        }
+        let bs = block_size.max(1) as usize;
+        let usable = self.tokens.len().saturating_sub(1) / bs * bs;
+        let h = std::sync::Arc::new(prefix::prefix_hashes(seed, bs, &self.tokens[..usable]));
+        memo.push(((seed, block_size), h.clone()));
+        h
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(seq: u64, hash: u64) -> pb::CacheEvent {
+        pb::CacheEvent { seq, stored: true, hash }
+    }
+
+    fn events(instance: u64, last_seq: u64, events: Vec<pb::CacheEvent>) -> pb::CacheEvents {
+        pb::CacheEvents { instance, hash_seed: 9, block_size: 4, last_seq, events, ..Default::default() }
+    }
+
+    #[test]
+    fn events_are_followed_and_a_gap_or_restart_asks_for_a_snapshot() {
+        let prompt = Prompt::new((0..13).collect());
+        let h = prompt.hashes(9, 4).to_vec();
+        assert_eq!(h.len(), 3);
+        let mut index = PrefixIndex::default();
+        // First contact: the worker sends a snapshot (the router asked from instance 0).
+        let snap = pb::CacheEvents { snapshot: true, snapshot_hashes: vec![h[0]], ..events(7, 4, vec![]) };
+        index.apply(Some(snap), 4);
+        assert_eq!(index.cursor(), pb::LoadRequest { cache_events_after: 4, cache_instance: 7 });
+        let now = Instant::now();
+        assert_eq!(index.cached_tokens(&prompt, now), 4);
+        index.apply(Some(events(7, 6, vec![stored(5, h[1]), stored(6, h[2])])), 4);
+        assert_eq!(index.cached_tokens(&prompt, now), 12);
+        index.apply(Some(events(7, 7, vec![pb::CacheEvent { seq: 7, stored: false, hash: h[1] }])), 4);
+        assert_eq!(index.cached_tokens(&prompt, now), 4, "a removed middle block ends the prefix");
+        // Event 8 missed: the index asks for a snapshot and keeps what it knew meanwhile.
+        index.apply(Some(events(7, 9, vec![stored(9, h[1])])), 4);
+        assert_eq!(index.cursor(), pb::LoadRequest { cache_events_after: 0, cache_instance: 0 });
+        // The worker restarted: a new instance's snapshot replaces everything.
+        let restarted = pb::CacheEvents { snapshot: true, snapshot_hashes: vec![], ..events(8, 0, vec![]) };
+        index.apply(Some(restarted), 4);
+        assert_eq!(index.cached_tokens(&prompt, now), 0);
+        assert_eq!(index.cursor().cache_instance, 8);
+    }
+
+    #[test]
+    fn without_events_the_routed_prefixes_count_until_they_expire() {
+        let prompt = Prompt::new((0..40).collect());
+        let mut index = PrefixIndex::default();
+        index.apply(None, 16);
+        let now = Instant::now();
+        assert_eq!(index.cached_tokens(&prompt, now), 0);
+        index.routed(&prompt, now);
+        assert_eq!(index.cached_tokens(&prompt, now), 32);
+        assert_eq!(index.cached_tokens(&prompt, now + ROUTED_TTL + Duration::from_secs(1)), 0);
+    }
+}
