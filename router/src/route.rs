@@ -63,6 +63,7 @@ pub fn route(
         }
     };
     span.set("pd.decode.worker", decode.addr.clone());
+    record.route_cached = (decode_cached, prefill_cached);
     record.decode_worker = decode.addr.clone();
     match &prefill {
         Some(p) => {

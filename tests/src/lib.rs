@@ -78,6 +78,8 @@ impl Drop for Proc {
 pub struct Options {
     /// Prefill workers.
     pub prefill: usize,
+    /// Decode workers beyond the first.
+    pub extra_decode: usize,
     /// Environment variables for every process.
     pub env: Vec<(String, String)>,
     /// Extra flags per binary.
@@ -133,6 +135,19 @@ fn spawn(name: &str, args: &[String], prefix: &str, options: &Options, log: Opti
     panic!("{name} did not print `{prefix}`");
 }
 
+/// A decode worker listening on `listen`: the process, its gRPC and its metrics address.
+fn spawn_decode(listen: &str, options: &Options, log: Option<PathBuf>) -> (Proc, String, String) {
+    let model = model_path();
+    let model = model.to_str().expect("utf-8 path");
+    let mut args =
+        strings(&["--listen", listen, "--metrics-listen", "127.0.0.1:0", "--model", model, "--kv-blocks", "1024"]);
+    args.extend(options.decode_args.iter().cloned());
+    let (proc, lines) = spawn("pd-decode", &args, "pd-decode listening on", options, log);
+    let addr = lines.last().cloned().unwrap_or_default();
+    let metrics = printed(&lines, "pd-decode metrics on");
+    (proc, addr, metrics)
+}
+
 /// The address printed after `prefix` among `lines`.
 fn printed(lines: &[String], prefix: &str) -> String {
     lines
@@ -142,10 +157,16 @@ fn printed(lines: &[String], prefix: &str) -> String {
         .unwrap_or_else(|| panic!("no `{prefix}` line in {lines:?}"))
 }
 
-/// A router, one decode worker and `prefill` prefill workers (none: colocated serving).
+/// A router, one decode worker (or more) and `prefill` prefill workers (none: colocated
+/// serving).
 pub struct Cluster {
     pub router: Proc,
     pub decode: Proc,
+    /// Decode workers beyond the first (`Options::extra_decode`).
+    pub more_decode: Vec<Proc>,
+    /// Every decode worker's gRPC and metrics address, the first one first.
+    pub decode_addrs: Vec<String>,
+    pub decode_metrics_all: Vec<String>,
     pub prefill: Vec<Proc>,
     pub http: String,
     pub grpc: String,
@@ -155,6 +176,7 @@ pub struct Cluster {
     pub decode_metrics: String,
     pub prefill_metrics: Vec<String>,
     logs: Option<tempfile::TempDir>,
+    options: Options,
 }
 
 fn strings(args: &[&str]) -> Vec<String> {
@@ -171,20 +193,17 @@ impl Cluster {
         let model = model.to_str().expect("utf-8 path");
         let logs = options.capture_logs.then(|| tempfile::tempdir().expect("log folder"));
         let log = |name: &str| logs.as_ref().map(|d| d.path().join(format!("{name}.log")));
-        let mut args = strings(&[
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--model",
-            model,
-            "--kv-blocks",
-            "1024",
-        ]);
-        args.extend(options.decode_args.iter().cloned());
-        let (decode, lines) = spawn("pd-decode", &args, "pd-decode listening on", &options, log("pd-decode"));
-        let decode_addr = lines.last().cloned().unwrap_or_default();
-        let decode_metrics = printed(&lines, "pd-decode metrics on");
+        let mut decodes = Vec::new();
+        let (mut decode_addrs, mut decode_metrics_all) = (Vec::new(), Vec::new());
+        for i in 0..=options.extra_decode {
+            let name = if i == 0 { "pd-decode".to_string() } else { format!("pd-decode-{i}") };
+            let (proc, addr, metrics) = spawn_decode("127.0.0.1:0", &options, log(&name));
+            decodes.push(proc);
+            decode_addrs.push(addr);
+            decode_metrics_all.push(metrics);
+        }
+        let decode = decodes.remove(0);
+        let (decode_addr, decode_metrics) = (decode_addrs[0].clone(), decode_metrics_all[0].clone());
         let mut workers = Vec::new();
         let mut addrs = Vec::new();
         let mut prefill_metrics = Vec::new();
@@ -201,7 +220,7 @@ impl Cluster {
         if !addrs.is_empty() {
             args.extend(["--prefill".to_string(), addrs.join(",")]);
         }
-        args.extend(["--decode".to_string(), decode_addr.clone()]);
+        args.extend(["--decode".to_string(), decode_addrs.join(",")]);
         args.extend(options.router_args.iter().cloned());
         let (router, lines) = spawn("pd-router", &args, "pd-router http on", &options, log("pd-router"));
         // "<http> grpc on <grpc>"
@@ -212,6 +231,9 @@ impl Cluster {
         let cluster = Cluster {
             router,
             decode,
+            more_decode: decodes,
+            decode_addrs,
+            decode_metrics_all,
             prefill: workers,
             http,
             grpc,
@@ -220,9 +242,35 @@ impl Cluster {
             decode_metrics,
             prefill_metrics,
             logs,
+            options,
         };
         cluster.wait_ready().await;
         cluster
+    }
+
+    /// Kills decode worker `i` (SIGKILL) and starts a new one on the same address, as a
+    /// restarted pod behind the same name; its log goes to `pd-decode-<i>-restarted`.
+    pub fn restart_decode(&mut self, i: usize) {
+        let proc = if i == 0 { &mut self.decode } else { &mut self.more_decode[i - 1] };
+        proc.kill();
+        let log = self.logs.as_ref().map(|d| d.path().join(format!("pd-decode-{i}-restarted.log")));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let (new, addr, metrics) = loop {
+            // The old socket may take a moment to be released.
+            match std::panic::catch_unwind(|| spawn_decode(&self.decode_addrs[i], &self.options, log.clone())) {
+                Ok(started) => break started,
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(200)),
+                Err(e) => std::panic::resume_unwind(e),
+            }
+        };
+        assert_eq!(addr, self.decode_addrs[i], "restarted on the same address");
+        self.decode_metrics_all[i] = metrics.clone();
+        if i == 0 {
+            self.decode = new;
+            self.decode_metrics = metrics;
+        } else {
+            self.more_decode[i - 1] = new;
+        }
     }
 
     /// What a process wrote to stderr so far (`pd-router`, `pd-decode`, `pd-prefill-0`, ...),

@@ -214,7 +214,20 @@ impl Fleet {
             let cost = weight * missing + f64::from(d.load_blocks());
             (d, cached, cost)
         });
-        scored.min_by(|a, b| a.2.total_cmp(&b.2).then(b.0.free_blocks().cmp(&a.0.free_blocks()))).map(|(d, c, _)| (d, c))
+        scored
+            .min_by(|a, b| a.2.total_cmp(&b.2).then(b.0.free_blocks().cmp(&a.0.free_blocks())))
+            .map(|(d, c, _)| (d, c))
+    }
+
+    /// Prompt tokens the best-placed worker is expected to hold: of the prefill pool, or of
+    /// the decode workers when there is none (they prefill).
+    pub fn expected_cached(&self, prompt: &Prompt, now: Instant) -> usize {
+        let best = |it: &mut dyn Iterator<Item = usize>| it.max().unwrap_or(0);
+        if self.prefill.is_empty() {
+            best(&mut self.decode.iter().map(|d| d.prefixes.cached_tokens(prompt, now)))
+        } else {
+            best(&mut self.prefill.iter().map(|p| p.prefixes.cached_tokens(prompt, now)))
+        }
     }
 
     /// The prefill worker with the shortest estimated wait, among those with a free slot.
@@ -387,4 +400,3 @@ mod tests {
         p.load.prefill_tokens_per_s = 300.0;
     }
 }
-

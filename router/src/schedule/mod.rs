@@ -152,9 +152,11 @@ impl Scheduler {
         if inner.fleet.decode.is_empty() {
             return Err(RouterError::NoWorker("decode"));
         }
+        // What must be computed: a cached prefix costs no prefill time.
+        let work = tokens - inner.fleet.expected_cached(&prompt, Instant::now()).min(tokens);
         let (_, rate) = inner.fleet.prefill_pool(self.config.prior_tokens_per_s, self.config.step_budget);
         let in_flight: Vec<usize> = inner.fleet.prefill.iter().flat_map(|p| p.in_flight_tokens()).collect();
-        let ahead = policy::tokens_ahead(&inner.waiting, class.spec.priority, &in_flight, tokens);
+        let ahead = policy::tokens_ahead(&inner.waiting, class.spec.priority, &in_flight, work);
         // The wait the queue causes (the request's own prefill is not overload): the prefill
         // work ahead at the pool's rate; when no decode worker has room now, the requests
         // ahead and this one each waiting for a stream to end (a p95 at the rate streams
@@ -186,7 +188,7 @@ impl Scheduler {
             max_queued_tokens: class.spec.max_queued_tokens,
             ttft_slo: class.ttft_slo(),
         };
-        let own = policy::estimated_wait(0, tokens, rate);
+        let own = policy::estimated_wait(0, work, rate);
         policy::admit(&class.name, tokens, budget, wait, own, rate)
             .map_err(|r| RouterError::Overloaded { message: r.message, retry_after_s: r.retry_after_s })?;
         let (tx, rx) = oneshot::channel();
@@ -197,6 +199,7 @@ impl Scheduler {
             class: class.index,
             priority: class.spec.priority,
             tokens,
+            work,
             max_tokens,
             arrived: now,
             deadline: now + class.ttft_slo(),
@@ -272,9 +275,9 @@ impl Scheduler {
             d.active_blocks += blocks;
             d.prefixes.routed(&prompt, now);
         }
-        if let Some((addr, ..)) = &prefill {
+        if let Some((addr, _, cached)) = &prefill {
             if let Some(p) = inner.fleet.prefill_mut(addr) {
-                p.in_flight.push((seq, tokens));
+                p.in_flight.push((seq, tokens - cached.min(&tokens)));
                 p.prefixes.routed(&prompt, now);
             }
         }

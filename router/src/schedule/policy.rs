@@ -14,6 +14,8 @@ pub struct Waiting<T> {
     pub class: usize,
     pub priority: i32,
     pub tokens: usize,
+    /// Prompt tokens to compute: `tokens` less what the best prefill worker has cached.
+    pub work: usize,
     pub max_tokens: usize,
     pub arrived: Instant,
     /// Arrival + the class's TTFT SLO.
@@ -32,13 +34,13 @@ pub fn next<T>(waiting: &[Waiting<T>]) -> Option<usize> {
     waiting.iter().enumerate().min_by_key(|(_, w)| (std::cmp::Reverse(w.priority), w.deadline, w.seq)).map(|(i, _)| i)
 }
 
-/// Prompt tokens that run before a new request of `priority` with `own` prompt tokens:
+/// Prompt tokens to compute before a new request of `priority` with `own` such tokens:
 /// those waiting at the same or a higher priority, and what the prefill pool holds. Prefill
 /// steps take prompts shortest remaining first and several at a time, so another prompt
 /// (queued or in flight) delays this one by at most as many tokens as this one has.
 pub fn tokens_ahead<T>(waiting: &[Waiting<T>], priority: i32, in_flight: &[usize], own: usize) -> u64 {
     let cap = own.max(1);
-    let queued: u64 = waiting.iter().filter(|w| w.priority >= priority).map(|w| w.tokens.min(cap) as u64).sum();
+    let queued: u64 = waiting.iter().filter(|w| w.priority >= priority).map(|w| w.work.min(cap) as u64).sum();
     let running: u64 = in_flight.iter().map(|&t| t.min(cap) as u64).sum();
     queued + running
 }
@@ -114,9 +116,10 @@ pub fn admit(
     if ttft > b.ttft_slo.mul_f64(ADMIT_MARGIN) {
         return Err(Refusal {
             message: format!(
-                "estimated time to first token {} ms ({:.0} prompt tokens ahead, {tokens} own, at {tokens_per_s:.0} tokens/s) exceeds {:.0}% of class `{class}`'s TTFT SLO of {} ms",
+                "estimated time to first token {} ms ({:.0} prompt tokens ahead, {:.0} own to compute, at {tokens_per_s:.0} tokens/s) exceeds {:.0}% of class `{class}`'s TTFT SLO of {} ms",
                 ttft.as_millis(),
                 wait.as_secs_f64() * tokens_per_s,
+                own.as_secs_f64() * tokens_per_s,
                 ADMIT_MARGIN * 100.0,
                 b.ttft_slo.as_millis()
             ),

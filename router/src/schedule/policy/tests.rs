@@ -7,6 +7,7 @@ fn waiting(seq: u64, priority: i32, deadline_ms: u64, tokens: usize) -> Waiting<
         class: 0,
         priority,
         tokens,
+        work: tokens,
         max_tokens: 16,
         arrived: t0,
         deadline: t0 + Duration::from_millis(deadline_ms),
