@@ -170,6 +170,7 @@ mod tests {
                 error: None,
                 status: None,
                 retry_after_s: None,
+                cached_tokens: None,
             }],
         }
     }

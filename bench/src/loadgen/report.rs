@@ -83,6 +83,17 @@ impl Report {
                     stats: GroupStats::of(&mine, duration_s, &slo),
                 });
             }
+            if class.prefix_tokens > 0 {
+                // Shared-prefix traffic: requests a prefix cache served apart from the others.
+                for (name, warm) in [("cold", false), ("warm", true)] {
+                    let group: Vec<&RequestSample> = mine.iter().copied().filter(|s| s.warm() == warm).collect();
+                    rows.push(Row {
+                        class: class.name.clone(),
+                        input_bucket: name.into(),
+                        stats: GroupStats::of(&group, duration_s, &slo),
+                    });
+                }
+            }
         }
         Report {
             label: label.to_string(),
@@ -103,14 +114,14 @@ impl Report {
         let trio = |s: &Summary| format!("{} / {} / {}", f(s.p50), f(s.p95), f(s.p99));
         let mut md = format!(
             "# {}\n\nServer `{}`, {:.1} s, machine: {}.\nCommand: `{}`\n\n\
-             | class | input tokens | requests | errors (429) | slowest 429 ms | TTFT p50/p95/p99 ms | ITL p50/p95/p99 ms (gaps) | longest gap ms | TPOT p50/p95 ms | e2e p50/p95 ms | goodput req/s | output tok/s |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|---|\n",
+             | class | input tokens | requests | errors (429) | slowest 429 ms | TTFT p50/p95/p99 ms | ITL p50/p95/p99 ms (gaps) | longest gap ms | TPOT p50/p95 ms | e2e p50/p95 ms | goodput req/s | output tok/s | prompt cached % |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
             self.label, self.url, self.duration_s, self.machine, self.command
         );
         for r in &self.rows {
             let s = &r.stats;
             md.push_str(&format!(
-                "| {} | {} | {} | {} ({}) | {} | {} | {} ({}) | {} | {} / {} | {} / {} | {:.3} | {:.1} |\n",
+                "| {} | {} | {} | {} ({}) | {} | {} | {} ({}) | {} | {} / {} | {} / {} | {:.3} | {:.1} | {:.0} |\n",
                 r.class,
                 r.input_bucket,
                 s.requests,
@@ -126,7 +137,8 @@ impl Report {
                 f(s.e2e_ms.p50),
                 f(s.e2e_ms.p95),
                 s.goodput_rps,
-                s.output_tokens_per_s
+                s.output_tokens_per_s,
+                s.cached_fraction * 100.0
             ));
         }
         md
@@ -194,6 +206,7 @@ mod tests {
 
     fn sample(class: &str, input: usize, tokens: &[f64]) -> RequestSample {
         RequestSample {
+            cached_tokens: None,
             class: class.into(),
             input_tokens: input,
             requested_output_tokens: tokens.len(),
@@ -231,5 +244,20 @@ mod tests {
         let t = timeline(&samples, "chat", "test").expect("timeline");
         assert_eq!(t.matches("<circle").count(), 4, "one point per gap");
         assert!(t.contains("<line x1=\""), "the document arrival is marked");
+    }
+
+    #[test]
+    fn a_shared_prefix_class_reports_warm_and_cold_requests_apart() {
+        let scenario = Scenario::parse("class rag concurrency=1 input=600 prefix=500 prefixes=2").expect("scenario");
+        let mut cold = sample("rag", 600, &[900.0, 910.0]);
+        cold.cached_tokens = Some(0);
+        let mut warm = sample("rag", 600, &[100.0, 110.0]);
+        warm.cached_tokens = Some(496);
+        let report = Report::build("test", "http://x", &scenario, &[cold, warm.clone(), warm], 10.0);
+        let row = |b: &str| report.rows.iter().find(|r| r.input_bucket == b).expect(b).stats.clone();
+        assert_eq!((row("cold").requests, row("warm").requests), (1, 2));
+        assert_eq!(row("warm").ttft_ms.p50, Some(100.0));
+        assert!((row("warm").cached_fraction - 496.0 / 600.0).abs() < 1e-9);
+        assert_eq!(row("cold").cached_fraction, 0.0);
     }
 }

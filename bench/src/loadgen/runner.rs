@@ -27,12 +27,20 @@ struct Job {
 /// client machine while it measures).
 fn jobs_for(class: &ClassSpec, builder: &PromptBuilder<'_>, seed: u64, count: usize) -> Result<Vec<Job>, String> {
     let mut rng = Rng::new(seed);
-    let prefix = builder.words(&mut rng, class.prefix_tokens);
+    let prefixes: Vec<String> =
+        (0..class.prefixes.max(1)).map(|_| builder.words(&mut rng, class.prefix_tokens)).collect();
     (0..count)
         .map(|_| {
             let input = class.input.draw(rng.unit());
             let output = class.output.draw(rng.unit());
-            let prompt = builder.prompt(&mut rng, &prefix, input)?;
+            let k = prefixes.len();
+            let u = rng.unit();
+            let which = match class.hot {
+                Some(hot) if k > 1 && u >= hot => 1 + ((u - hot) / (1.0 - hot) * (k - 1) as f64) as usize,
+                Some(_) => 0,
+                None => (u * k as f64) as usize,
+            };
+            let prompt = builder.prompt(&mut rng, &prefixes[which.min(k - 1)], input)?;
             Ok(Job {
                 class: class.name.clone(),
                 header: class.header().to_string(),

@@ -9,12 +9,16 @@
 //! class interactive concurrency=4 input=64..128 output=128..256 ttft_p95_ms=2000 itl_p95_ms=150
 //! class documents every=8 input=2048 output=16 start=2 ttft_p95_ms=20000
 //! class chat-rag rate=0.5 input=512 output=64 prefix=384
+//! class support concurrency=2 input=1550 output=16 prefix=1500 prefixes=2 hot=0.8
 //! ```
 //!
 //! A class's arrivals are `concurrency=N` (closed loop: N clients, each sends its next
 //! request when the last one ends), `rate=R` (Poisson, R requests/s) or `every=S` (one
 //! request every S seconds). `input`/`output` are `N` or `A..B` (uniform). `prefix=P`: every
-//! request of the class starts with the same P tokens. `start=S` delays the class;
+//! request of the class starts with the same P tokens; `prefixes=K`: one of K different such
+//! prefixes, uniformly, or with `hot=F` the first one for a fraction F of the requests (a hot
+//! prefix). The report splits a class with a prefix into warm (the server's prefix cache served
+//! part of the prompt) and cold requests. `start=S` delays the class;
 //! `requests=N` caps it. Requests carry the class name as `x-pd-class` (the router's traffic
 //! class), or `as=NAME` when the report's name differs from the server's class.
 
@@ -66,6 +70,11 @@ pub struct ClassSpec {
     pub output: Length,
     pub slo: Slo,
     pub prefix_tokens: usize,
+    /// How many different shared prefixes (1 unless `prefixes=`).
+    pub prefixes: usize,
+    /// Fraction of requests on the first prefix (`hot=`); None: uniform.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hot: Option<f64>,
     pub start_s: f64,
     pub max_requests: Option<usize>,
     /// The `x-pd-class` sent (`as=NAME`); None: the class's own name.
@@ -151,6 +160,8 @@ impl Scenario {
                     output: Length::Fixed(128),
                     slo: Slo::default(),
                     prefix_tokens: 0,
+                    prefixes: 1,
+                    hot: None,
                     start_s: 0.0,
                     max_requests: None,
                     server_class: None,
@@ -178,6 +189,19 @@ impl Scenario {
                         "input" => class.input = length(line, key, value)?,
                         "output" => class.output = length(line, key, value)?,
                         "prefix" => class.prefix_tokens = number(line, key, value)?,
+                        "prefixes" => {
+                            class.prefixes = number(line, key, value)?;
+                            if class.prefixes == 0 {
+                                return Err(err(line, word, "prefixes must be at least 1"));
+                            }
+                        }
+                        "hot" => {
+                            let f: f64 = number(line, key, value)?;
+                            if !(0.0..=1.0).contains(&f) {
+                                return Err(err(line, word, "hot is a fraction between 0 and 1"));
+                            }
+                            class.hot = Some(f);
+                        }
                         "start" => class.start_s = number(line, key, value)?,
                         "requests" => class.max_requests = Some(number(line, key, value)?),
                         "as" => class.server_class = Some(value.to_string()),
@@ -226,6 +250,8 @@ impl Scenario {
                 output: Length::Fixed(output),
                 slo: Slo::default(),
                 prefix_tokens: 0,
+                prefixes: 1,
+                hot: None,
                 start_s: 0.0,
                 max_requests: Some(requests),
                 // Capacity cells: the router's batch class (long TTFT SLO) queues instead of
@@ -272,6 +298,8 @@ mod tests {
             ("class a colour=blue", "line 1", "unknown setting `colour`"),
             ("class a input=100..50", "line 1", "A..B"),
             ("class a input=64 prefix=64", "line 1", "prefix"),
+            ("class a input=64 prefix=8 hot=2", "line 1", "fraction"),
+            ("class a input=64 prefix=8 prefixes=0", "line 1", "at least 1"),
             ("speed=3\nclass a", "line 1", "unknown setting `speed`"),
             ("# nothing", "", "no `class`"),
         ];

@@ -51,9 +51,18 @@ pub struct RequestSample {
     /// Its `Retry-After` header, in seconds.
     #[serde(default)]
     pub retry_after_s: Option<u64>,
+    /// `usage.prompt_tokens_details.cached_tokens` when the server reported it: prompt tokens
+    /// a prefix cache served (> 0: a warm request).
+    #[serde(default)]
+    pub cached_tokens: Option<usize>,
 }
 
 impl RequestSample {
+    /// True when a prefix cache served part of the prompt.
+    pub fn warm(&self) -> bool {
+        self.cached_tokens.is_some_and(|c| c > 0)
+    }
+
     /// True when the server refused the request as over capacity (429).
     pub fn rejected(&self) -> bool {
         self.status == Some(429)
@@ -136,6 +145,8 @@ pub struct GroupStats {
     pub goodput_rps: f64,
     pub output_tokens: usize,
     pub output_tokens_per_s: f64,
+    /// Prompt tokens served from a prefix cache / prompt tokens, over answered requests.
+    pub cached_fraction: f64,
 }
 
 impl GroupStats {
@@ -162,6 +173,11 @@ impl GroupStats {
             goodput_rps: per_s(requests.iter().filter(|r| slo.met_by(r)).count() as f64),
             output_tokens,
             output_tokens_per_s: per_s(output_tokens as f64),
+            cached_fraction: {
+                let input: usize = ok.iter().map(|r| r.input_tokens).sum();
+                let cached: usize = ok.iter().filter_map(|r| r.cached_tokens).sum();
+                if input > 0 { cached as f64 / input as f64 } else { 0.0 }
+            },
         }
     }
 }
@@ -172,6 +188,7 @@ mod tests {
 
     fn sample(sent: f64, tokens: &[f64]) -> RequestSample {
         RequestSample {
+            cached_tokens: None,
             class: "c".into(),
             input_tokens: 10,
             requested_output_tokens: tokens.len(),
