@@ -6,13 +6,15 @@
 #      them) + 50-token user turns, one request at a time: TTFT of cold (first use of a prefix)
 #      and warm requests, and the KV bytes each shipped (from the router's request records);
 #      the same traffic with --no-prefix-cache on both workers as the reference;
-#   2. routing: one prefill + two decode workers with room for about two prefixes each beside
-#      the running requests (--kv-blocks 240); 2 prefixes, 2 clients: share of requests that
+#   2. routing: one prefill + two decode workers with room for two running requests or one
+#      cached prefix beside them (--kv-blocks 200); 2 prefixes, 2 clients: share of requests that
 #      land on a decode worker holding their prefix, cache-aware (--prefix-weight 2, the
 #      default) vs cache-blind (--prefix-weight 0);
 #   3. hot prefix: the same with 90% of requests on one prefix and 4 clients: how the load
 #      spreads over the two decode workers.
-#   bench/prefix-cache.sh            (writes bench/results/prefix-cache/)
+#   bench/prefix-cache.sh               (writes bench/results/prefix-cache/)
+#   PARTS="routing hot" bench/prefix-cache.sh   (rerun some parts: warm routing hot; the
+#                                                summary reads every part's last run)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=bench/results/prefix-cache
@@ -21,7 +23,9 @@ bin=target/release
 port=18280
 scripts/fetch-model.sh >/dev/null
 cargo build --release --quiet --workspace --bins --features pd-kv-transfer/ucx
-rm -rf "$out/runs" "$out/logs"
+parts="${PARTS:-warm routing hot}"
+has() { [[ " $parts " == *" $1 "* ]]; }
+[[ -z "${PARTS:-}" ]] && rm -rf "$out/runs" "$out/logs"
 mkdir -p "$out/runs" "$out/logs" "$out/scenarios"
 pids=()
 stop() {
@@ -84,24 +88,24 @@ duration=600 max_requests=40 seed=33
 class support concurrency=4 input=1550 output=16 prefix=1500 prefixes=2 hot=0.9 as=batch
 EOF
 
-echo "== warm vs cold" >&2
-start warm-cold 1 "--kv-blocks 1024" "" ""
-bench warm-cold "$out/scenarios/warm-cold.txt"
-stop
-echo "== the same without prefix caching" >&2
-start no-cache 1 "--kv-blocks 1024 --no-prefix-cache" "--no-prefix-cache" ""
-bench no-cache "$out/scenarios/warm-cold.txt"
-stop
-for weight in 2 0; do
-    echo "== routing, --prefix-weight $weight" >&2
-    start "routing-w$weight" 2 "--kv-blocks 1024" "--kv-blocks 240" "--prefix-weight $weight"
-    bench "routing-w$weight" "$out/scenarios/routing.txt"
+run() { # NAME SCENARIO DECODE_WORKERS "PREFILL FLAGS" "DECODE FLAGS" "ROUTER FLAGS"
+    echo "== $1" >&2
+    rm -rf "${out:?}/runs/$1" "${out:?}/logs/$1"
+    start "$1" "$3" "$4" "$5" "$6"
+    bench "$1" "$out/scenarios/$2.txt"
     stop
-done
-echo "== hot prefix" >&2
-start hot 2 "--kv-blocks 1024" "--kv-blocks 240" ""
-bench hot "$out/scenarios/hot.txt"
-stop
+}
+if has warm; then
+    run warm-cold warm-cold 1 "--kv-blocks 1024" "" ""
+    run no-cache warm-cold 1 "--kv-blocks 1024 --no-prefix-cache" "--no-prefix-cache" ""
+fi
+# Decode workers with 200 blocks: two running requests of 98 blocks each (prompt + output),
+# or one prefix cached beside them, not both prefixes and the requests.
+if has routing; then
+    run routing-w2 routing 2 "--kv-blocks 1024" "--kv-blocks 200" "--prefix-weight 2"
+    run routing-w0 routing 2 "--kv-blocks 1024" "--kv-blocks 200" "--prefix-weight 0"
+fi
+has hot && run hot hot 2 "--kv-blocks 1024" "--kv-blocks 200" ""
 
 python3 bench/prefix_cache_summary.py "$out" >"$out/summary.md"
 cat "$out/summary.md"

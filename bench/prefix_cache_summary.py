@@ -2,6 +2,7 @@
 """Summary of bench/prefix-cache.sh: reads the pd-bench reports (runs/*/summary.json) and
 the router's per-request records (logs/*/router.log, JSON lines) and prints Markdown."""
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -43,7 +44,9 @@ def mean(xs):
 
 print("# Prefix cache and cache-aware routing\n")
 print("Command: `bench/prefix-cache.sh`; the scenarios are in `scenarios/`, every run's pd-bench report in")
-print("`runs/`, the processes' logs (JSON) in `logs/`.\n")
+print("`runs/`, the processes' logs (JSON) in `logs/`.")
+cpu = json.loads((out / "runs" / "warm-cold" / "summary.json").read_text())["machine"].split(",")[0]
+print(f"Machine: {cpu}, {os.cpu_count()} cores; prefill worker, router and load generator on core 0, decode workers on core 1.\n")
 
 # 1. warm vs cold
 wc, nc = rows("warm-cold"), rows("no-cache")
