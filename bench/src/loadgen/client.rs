@@ -101,8 +101,9 @@ pub async fn send(
                     } else if let Ok(v) = serde_json::from_str::<Value>(data) {
                         if let Some(u) = v["usage"]["completion_tokens"].as_u64() {
                             sample.reported_output_tokens = Some(u as usize);
-                            sample.cached_tokens =
-                                Some(v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0) as usize);
+                            sample.cached_tokens = Some(
+                                v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0) as usize,
+                            );
                         }
                         let choice = &v["choices"][0];
                         if choice.is_object() && choice["finish_reason"].is_null() {

@@ -176,7 +176,11 @@ impl GroupStats {
             cached_fraction: {
                 let input: usize = ok.iter().map(|r| r.input_tokens).sum();
                 let cached: usize = ok.iter().filter_map(|r| r.cached_tokens).sum();
-                if input > 0 { cached as f64 / input as f64 } else { 0.0 }
+                if input > 0 {
+                    cached as f64 / input as f64
+                } else {
+                    0.0
+                }
             },
         }
     }
