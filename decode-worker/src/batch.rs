@@ -235,7 +235,7 @@ impl BatchState {
     /// Joins `a` to the batch. A prefilled sequence streams its first token at once (it may
     /// also finish with it); a bad sampling setup fails the sequence with INVALID_ARGUMENT.
     pub fn admit(&mut self, a: Admission, tokenizer: &Tokenizer, metrics: &DecodeMetrics) {
-        let sampler = match Sampler::new(&a.params) {
+        let mut sampler = match Sampler::new(&a.params) {
             Ok(s) => s,
             Err(e) => {
                 a.span.error(e.to_string());
@@ -244,7 +244,10 @@ impl BatchState {
             }
         };
         let (phase, first) = match a.start {
-            Start::Prefilled { first_token } => (Phase::Decode { next: first_token }, Some(first_token)),
+            Start::Prefilled { first_token } => {
+                sampler.skip(1); // the prefill worker sampled the first output position
+                (Phase::Decode { next: first_token }, Some(first_token))
+            }
             Start::Prompt { from } => (Phase::Prompt { done: from.min(a.prompt.len()) }, None),
         };
         let now = Instant::now();

@@ -272,7 +272,8 @@ impl Engine {
         params: &SamplingParams,
         on_token: &mut impl FnMut(&TokenOutput),
     ) -> Result<Generation> {
-        let sampler = Sampler::new(params)?;
+        let mut sampler = Sampler::new(params)?;
+        sampler.skip(1);
         self.decode_loop(kv, first_token, sampler, params, on_token)
     }
 

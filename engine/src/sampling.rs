@@ -1,7 +1,11 @@
 //! Choosing the next token and deciding when a sequence is done.
 //!
 //! Sampling itself is candle-transformers' `LogitsProcessor` (greedy, temperature, top-k,
-//! top-p, seeded), so the same seed gives the same tokens. `OutputTracker` turns tokens into
+//! top-p). Its randomness for the output token at index i comes from a generator seeded by
+//! the request's seed and i alone, not by the tokens drawn before: the same seed gives the
+//! same tokens, and a generation continued in another process (after the first token from a
+//! prefill worker, or after a decode worker was lost and the request migrated) draws exactly
+//! what the original process would have. `OutputTracker` turns tokens into
 //! streamed text and applies stop token ids, stop strings and max tokens; text that might be
 //! the start of a stop string is held back until it is known not to be one.
 
@@ -25,11 +29,15 @@ pub struct SamplingParams {
     /// Texts that end the sequence; the returned text stops before them.
     pub stop_strings: Vec<String>,
     pub ignore_eos: bool,
+    /// Index of this request's first generated token within the whole output (0; a migrated
+    /// request continues after the tokens already sent). Seeds the sampling of each token.
+    pub output_offset: usize,
 }
 
 impl SamplingParams {
     pub fn greedy(max_tokens: usize) -> Self {
         SamplingParams {
+            output_offset: 0,
             temperature: 0.0,
             top_k: None,
             top_p: None,
@@ -77,9 +85,12 @@ impl SamplingParams {
     }
 }
 
-/// Per-sequence sampler state (its seeded random generator).
+/// Per-sequence sampler state: the sampling rule, the seed and the output index of the next
+/// token.
 pub struct Sampler {
-    processor: LogitsProcessor,
+    sampling: Sampling,
+    seed: u64,
+    next_index: u64,
 }
 
 impl std::fmt::Debug for Sampler {
@@ -91,13 +102,32 @@ impl std::fmt::Debug for Sampler {
 impl Sampler {
     pub fn new(params: &SamplingParams) -> Result<Self> {
         params.validate()?;
-        Ok(Sampler { processor: LogitsProcessor::from_sampling(params.seed, params.sampling()) })
+        Ok(Sampler { sampling: params.sampling(), seed: params.seed, next_index: params.output_offset as u64 })
     }
 
-    /// Next token from a `[vocab]` logits row.
+    /// Next token from a `[vocab]` logits row, with randomness seeded by (seed, output index).
     pub fn sample(&mut self, logits: &Tensor) -> Result<u32> {
-        Ok(self.processor.sample(logits)?)
+        let seed = step_seed(self.seed, self.next_index);
+        self.next_index += 1;
+        Ok(LogitsProcessor::from_sampling(seed, self.sampling.clone()).sample(logits)?)
     }
+
+    /// Skips `n` output positions (tokens sampled elsewhere, e.g. a prefill worker's first).
+    pub fn skip(&mut self, n: usize) {
+        self.next_index += n as u64;
+    }
+}
+
+/// The generator seed of output token `index` (splitmix64 of both: nearby indices and seeds
+/// give unrelated streams).
+fn step_seed(seed: u64, index: u64) -> u64 {
+    let mix = |mut z: u64| {
+        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    mix(seed ^ mix(index))
 }
 
 /// Why a sequence ended.
@@ -248,6 +278,23 @@ mod tests {
         let mut p = SamplingParams::greedy(1);
         p.temperature = -1.0;
         assert!(p.validate().expect_err("temp").to_string().contains("temperature"));
+    }
+
+    #[test]
+    fn each_output_position_samples_the_same_wherever_the_generation_continues() -> Result<()> {
+        let logits = Tensor::new(&[0.5f32, 0.4, 0.3, 0.2, 0.1, 0.05, 0.0, -0.1], &Device::Cpu)?;
+        let params = SamplingParams { temperature: 1.5, seed: 99, ..SamplingParams::greedy(64) };
+        let mut whole = Sampler::new(&params)?;
+        let draws: Vec<u32> = (0..64).map(|_| whole.sample(&logits)).collect::<Result<_>>()?;
+        assert!(draws.iter().collect::<std::collections::HashSet<_>>().len() > 3, "it does sample: {draws:?}");
+        // Continued after 40 tokens (a migrated request), or after a first token sampled elsewhere.
+        let mut migrated = Sampler::new(&SamplingParams { output_offset: 40, ..params.clone() })?;
+        let rest: Vec<u32> = (40..64).map(|_| migrated.sample(&logits)).collect::<Result<_>>()?;
+        assert_eq!(rest, draws[40..]);
+        let mut after_first = Sampler::new(&params)?;
+        after_first.skip(1);
+        assert_eq!(after_first.sample(&logits)?, draws[1]);
+        Ok(())
     }
 
     #[test]

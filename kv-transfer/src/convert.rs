@@ -39,6 +39,7 @@ pub fn sampling_from_pb(sampling: Option<&pb::SamplingParams>) -> Result<Samplin
         stop_token_ids: s.stop_token_ids.clone(),
         stop_strings: s.stop.clone(),
         ignore_eos: s.ignore_eos,
+        output_offset: s.output_offset as usize,
     };
     params.validate().map_err(|e| InvalidField::new("sampling", e.to_string()))?;
     Ok(params)
@@ -55,6 +56,7 @@ pub fn sampling_to_pb(params: &SamplingParams) -> pb::SamplingParams {
         stop_token_ids: params.stop_token_ids.clone(),
         stop: params.stop_strings.clone(),
         ignore_eos: params.ignore_eos,
+        output_offset: params.output_offset as u32,
     }
 }
 
@@ -215,6 +217,7 @@ mod tests {
             stop_token_ids: vec![3],
             stop_strings: vec!["\n".into()],
             ignore_eos: true,
+            output_offset: 3,
         };
         let back = sampling_from_pb(Some(&sampling_to_pb(&params))).expect("valid");
         assert_eq!(back.top_k, Some(40));

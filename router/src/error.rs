@@ -37,6 +37,10 @@ pub enum RouterError {
     /// A worker failed while serving the request.
     #[error("{stage} failed: {message}")]
     Worker { stage: &'static str, message: String },
+    /// The request's decode worker was lost and it could not be continued elsewhere (no other
+    /// decode worker, or the migration limit reached); says why.
+    #[error("{0}")]
+    Migration(String),
 }
 
 impl RouterError {
@@ -56,6 +60,7 @@ impl RouterError {
             RouterError::Overloaded { .. } => "overloaded",
             RouterError::NoWorker(_) => "no_worker",
             RouterError::Worker { .. } => "worker_failed",
+            RouterError::Migration(_) => "migration_failed",
         }
     }
 
@@ -67,7 +72,9 @@ impl RouterError {
             RouterError::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             RouterError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
             RouterError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
-            RouterError::NoWorker(_) | RouterError::Worker { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            RouterError::NoWorker(_) | RouterError::Worker { .. } | RouterError::Migration(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
         }
     }
 
@@ -81,7 +88,7 @@ impl RouterError {
             | RouterError::Unprocessable(_) => "invalid_request_error",
             RouterError::ModelNotFound(_) => "not_found_error",
             RouterError::Overloaded { .. } => "rate_limit_error",
-            RouterError::NoWorker(_) | RouterError::Worker { .. } => "service_unavailable",
+            RouterError::NoWorker(_) | RouterError::Worker { .. } | RouterError::Migration(_) => "service_unavailable",
         }
     }
 
@@ -107,7 +114,9 @@ impl RouterError {
             | RouterError::Unprocessable(_) => tonic::Status::invalid_argument(self.to_string()),
             RouterError::ModelNotFound(_) => tonic::Status::not_found(self.to_string()),
             RouterError::Overloaded { retry_after_s, .. } => retry_status(self.to_string(), *retry_after_s),
-            RouterError::NoWorker(_) | RouterError::Worker { .. } => tonic::Status::unavailable(self.to_string()),
+            RouterError::NoWorker(_) | RouterError::Worker { .. } | RouterError::Migration(_) => {
+                tonic::Status::unavailable(self.to_string())
+            }
         }
     }
 }
@@ -177,6 +186,12 @@ mod tests {
                 StatusCode::SERVICE_UNAVAILABLE,
                 Code::Unavailable,
                 "worker_failed",
+            ),
+            (
+                RouterError::Migration("x".into()),
+                StatusCode::SERVICE_UNAVAILABLE,
+                Code::Unavailable,
+                "migration_failed",
             ),
         ];
         for (error, http, grpc, reason) in cases {

@@ -10,6 +10,15 @@
 //! The `RequestRecord` travels with the request and is finished where the request ends.
 //! Dropping the returned stream (client gone) cancels both sides: the decode worker sees its
 //! stream closed and frees the blocks; the prefill task is aborted.
+//!
+//! Migration: when the decode worker's stream breaks (the worker died, was partitioned away,
+//! or stopped after its grace period) the request continues on another decode worker as a
+//! new leg: prompt + the tokens already sent, `max_tokens` reduced, `output_offset` set so
+//! seeded sampling draws exactly what the lost worker would have (randomness per output
+//! position). The lost worker is quarantined (`--quarantine-ms`); after `MIGRATION_LIMIT`
+//! migrations, or with no other decode worker, the request ends with a typed error. Token
+//! ids are never repeated or skipped; text the lost worker held back (a possible stop-string
+//! start, half a UTF-8 character) is not recovered.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -31,9 +40,13 @@ use crate::route::{route, Route};
 use crate::schedule::{Grant, Scheduler, Ticket};
 use crate::validate::ValidRequest;
 use crate::workers::Pools;
+use pd_telemetry::opentelemetry::KeyValue;
 
 /// The stream of a request's updates, as the front ends read it.
 pub type Updates = ReceiverStream<Result<Update, RouterError>>;
+
+/// Decode workers a request may lose before it fails.
+pub const MIGRATION_LIMIT: u32 = 3;
 
 /// Aborts a task when dropped.
 struct AbortOnDrop<T>(JoinHandle<T>);
@@ -134,6 +147,54 @@ async fn queue(
     granted
 }
 
+/// What re-issuing a request elsewhere needs.
+struct Origin {
+    scheduler: Arc<Scheduler>,
+    text: Arc<TextSide>,
+    req: ValidRequest,
+    class: Arc<Class>,
+}
+
+/// One decode worker's part of a request: its stream, the prefill feeding it, the merge of
+/// the two, the capacity it holds.
+struct Leg {
+    events: tonic::Streaming<pb::DecodeEvent>,
+    /// The prefill (None once answered, or when the decode worker prefills); aborted when
+    /// the leg is dropped.
+    prefill: Option<AbortOnDrop<Result<Prefilled, RouterError>>>,
+    relay: Relay,
+    /// The capacity this leg holds at the scheduler (all of it given back when the leg is
+    /// dropped; the prefill slot as soon as the first token exists).
+    ticket: Ticket,
+    prefilled: bool,
+    decode: String,
+    /// Output tokens sent before this leg (after migrations).
+    offset: usize,
+}
+
+/// Routes a granted request (`req`: the leg's prompt and sampling) and opens its decode
+/// stream and prefill.
+async fn open_leg(
+    origin: &Origin,
+    req: &ValidRequest,
+    record: &mut RequestRecord,
+    grant: Grant,
+    offset: usize,
+) -> Result<Leg, RouterError> {
+    let metrics = record.metrics().clone();
+    let mut chosen = route(&origin.scheduler.pools, grant, &metrics, record)?;
+    let opened = open_decode(&origin.scheduler.pools, &mut chosen, req, record).await?;
+    chosen.ticket.decode_opened();
+    let decode = chosen.decode.addr.clone();
+    let Route { prefill: first, ticket, .. } = chosen;
+    let prefill = opened.target.map(|t| {
+        let call = prefill_call(&origin.scheduler, &origin.text, first, t, req, record);
+        AbortOnDrop(tokio::spawn(call.run()))
+    });
+    let relay = Relay::new(prefill.is_some());
+    Ok(Leg { events: opened.events, prefill, relay, ticket, prefilled: false, decode, offset })
+}
+
 /// Starts `req` of `class` and returns its updates. Errors before the stream opens (refusal,
 /// no worker, the decode worker's reservation) come back directly.
 pub async fn start(
@@ -143,46 +204,33 @@ pub async fn start(
     class: Arc<Class>,
     mut record: RequestRecord,
 ) -> Result<Updates, RouterError> {
-    let opened = async {
-        let grant = queue(&scheduler, &class, req, &record).await?;
-        let metrics = record.metrics().clone();
-        let mut chosen = route(&scheduler.pools, grant, &metrics, &mut record)?;
-        let opened = open_decode(&scheduler.pools, &mut chosen, req, &record).await?;
-        chosen.ticket.decode_opened();
-        Ok::<_, RouterError>((chosen, opened))
+    let origin = Origin { scheduler, text, req: req.clone(), class };
+    let leg = async {
+        let grant = queue(&origin.scheduler, &origin.class, req, &record).await?;
+        open_leg(&origin, req, &mut record, grant, 0).await
     }
     .await;
-    let (chosen, Opened { events, target }) = match opened {
-        Ok(o) => o,
+    let leg = match leg {
+        Ok(l) => l,
         Err(e) => {
             record.fail(&e);
             return Err(e);
         }
     };
-    let Route { prefill: first, ticket, .. } = chosen;
-    let prefill = target.map(|t| {
-        let call = prefill_call(&scheduler, &text, first, t, req, &record);
-        AbortOnDrop(tokio::spawn(call.run()))
-    });
     let (tx, rx) = mpsc::channel(64);
-    let relay = Relay::new(prefill.is_some());
-    tokio::spawn(RelayTask { events, prefill, tx, record, relay, ticket, prefilled: false }.run());
+    tokio::spawn(RelayTask { leg, tx, record, origin, sent: Vec::new(), migrations: 0 }.run());
     Ok(ReceiverStream::new(rx))
 }
 
-/// Feeds both sources of one request through its `Relay` to the client.
+/// Feeds a request's legs through their `Relay` to the client.
 struct RelayTask {
-    events: tonic::Streaming<pb::DecodeEvent>,
-    /// The prefill (None once answered, or when the decode worker prefills); aborted when
-    /// the relay ends.
-    prefill: Option<AbortOnDrop<Result<Prefilled, RouterError>>>,
+    leg: Leg,
     tx: mpsc::Sender<Result<Update, RouterError>>,
     record: RequestRecord,
-    relay: Relay,
-    /// The capacity this request holds at the scheduler (all of it given back when the relay
-    /// ends; the prefill slot as soon as the first token exists).
-    ticket: Ticket,
-    prefilled: bool,
+    origin: Origin,
+    /// Token ids sent to the client so far (a migrated leg continues after them).
+    sent: Vec<u32>,
+    migrations: u32,
 }
 
 /// What the relay loop waited for.
@@ -192,18 +240,35 @@ enum Next {
     ClientGone,
 }
 
+/// Why a decode stream counts as lost (the request migrates) rather than failed: it ended
+/// without finishing, or broke with a transport-level or availability status. Refusals of
+/// the request itself (invalid, out of capacity) are not.
+fn lost(m: &Result<Option<pb::DecodeEvent>, tonic::Status>) -> Option<&'static str> {
+    use tonic::Code;
+    match m {
+        Ok(None) => Some("stream_ended"),
+        Err(s) => match s.code() {
+            Code::Unavailable => Some("unavailable"),
+            Code::Unknown | Code::Internal | Code::Aborted | Code::Cancelled | Code::DataLoss => Some("stream_broken"),
+            _ => None,
+        },
+        Ok(Some(_)) => None,
+    }
+}
+
 impl RelayTask {
     async fn next(&mut self) -> Next {
+        let Leg { events, prefill: task, .. } = &mut self.leg;
         let prefill = async {
-            match self.prefill.as_mut() {
+            match task.as_mut() {
                 Some(task) => (&mut task.0).await,
                 None => std::future::pending().await,
             }
         };
         tokio::select! {
-            m = self.events.message() => Next::Decode(m),
+            m = events.message() => Next::Decode(m),
             p = prefill => {
-                self.prefill = None;
+                self.leg.prefill = None;
                 Next::Prefill(p.unwrap_or_else(|join| Err(RouterError::Worker { stage: "prefill", message: format!("prefill task: {join}") })))
             }
             _ = self.tx.closed() => Next::ClientGone,
@@ -215,10 +280,10 @@ impl RelayTask {
     async fn run(mut self) {
         loop {
             let next = self.next().await;
-            if !self.prefilled && matches!(next, Next::Prefill(_) | Next::Decode(Ok(Some(_)))) {
+            if !self.leg.prefilled && matches!(next, Next::Prefill(_) | Next::Decode(Ok(Some(_)))) {
                 // The first token exists (or the prefill failed): the prefill slot is free.
-                self.prefilled = true;
-                self.ticket.prefill_done();
+                self.leg.prefilled = true;
+                self.leg.ticket.prefill_done();
             }
             let relayed = match next {
                 Next::ClientGone => return,
@@ -226,22 +291,89 @@ impl RelayTask {
                 Next::Prefill(Ok(p)) => {
                     self.record.prefill_worker = p.worker.clone();
                     self.record.prefilled(p.timings);
-                    match self.relay.on_prefill_done(p.first_token, p.first_text) {
+                    match self.leg.relay.on_prefill_done(p.first_token, p.first_text) {
                         Some(update) => Relayed::Send(update),
                         None => Relayed::Skip,
                     }
                 }
-                Next::Decode(m) => {
-                    if let Ok(Some(pb::DecodeEvent { event: Some(Event::Finished(f)) })) = &m {
-                        self.record_decode(f);
+                Next::Decode(m) => match lost(&m) {
+                    Some(reason) => {
+                        let cause = match &m {
+                            Err(status) => status.message().to_string(),
+                            _ => "the stream ended without finishing".to_string(),
+                        };
+                        match self.migrate(reason, cause).await {
+                            Ok(None) => continue,
+                            Ok(Some(relayed)) => relayed,
+                            Err(e) => Relayed::Fail(e),
+                        }
                     }
-                    self.relay.on_decode_event(m)
-                }
+                    None => {
+                        if let Ok(Some(pb::DecodeEvent { event: Some(Event::Finished(f)) })) = &m {
+                            self.record_decode(f);
+                        }
+                        let mut relayed = self.leg.relay.on_decode_event(m);
+                        if let Relayed::Finish(Update::Done { prompt_tokens, completion_tokens, .. }) = &mut relayed {
+                            // A migrated leg's prompt includes the tokens sent before it.
+                            let offset = self.leg.offset as u32;
+                            *prompt_tokens = prompt_tokens.saturating_sub(offset);
+                            *completion_tokens += offset;
+                        }
+                        relayed
+                    }
+                },
             };
             if !self.deliver(relayed).await {
                 return;
             }
         }
+    }
+
+    /// Continues the request on another decode worker after its current one was lost
+    /// (`reason` for the metric, `cause` for the error). None: the new leg runs; Some: what
+    /// to tell the client instead (the end, when every token had already gone out).
+    async fn migrate(&mut self, reason: &'static str, cause: String) -> Result<Option<Relayed>, RouterError> {
+        let from = self.leg.decode.clone();
+        let lost = format!("decode worker {from} was lost mid-stream ({cause})");
+        if self.migrations >= MIGRATION_LIMIT {
+            return Err(RouterError::Migration(format!("{lost}; the request already moved {MIGRATION_LIMIT} times")));
+        }
+        let scheduler = self.origin.scheduler.clone();
+        scheduler.quarantine(&from, scheduler.config.quarantine);
+        scheduler.pools.decode.forget(&from);
+        let (sent, total) = (self.sent.len(), self.origin.req.params.max_tokens);
+        if sent >= total {
+            // Every token went out; only the end was lost.
+            let done = Update::Done {
+                finish_reason: "length".into(),
+                prompt_tokens: self.origin.req.prompt_tokens.len() as u32,
+                completion_tokens: sent as u32,
+                cached_tokens: self.record.cached_tokens(),
+            };
+            return Ok(Some(Relayed::Finish(done)));
+        }
+        self.migrations += 1;
+        self.record.metrics().migrations.with_label_values(&[reason]).inc();
+        self.record.span().event(
+            "request.migrate",
+            vec![
+                KeyValue::new("pd.migrate.from", from.clone()),
+                KeyValue::new("pd.migrate.reason", reason),
+                KeyValue::new("pd.migrate.tokens_sent", sent as i64),
+            ],
+        );
+        tracing::warn!(request_id = %self.record.request_id, %from, reason, sent, "migrating to another decode worker");
+        let mut req = self.origin.req.clone();
+        req.prompt_tokens.extend_from_slice(&self.sent);
+        req.params.max_tokens = total - sent;
+        req.params.output_offset = sent;
+        let failed = |e: RouterError| RouterError::Migration(format!("{lost}; continuing elsewhere failed: {e}"));
+        let prompt = Arc::new(crate::schedule::Prompt::new(req.prompt_tokens.clone()));
+        let pending = scheduler.submit_migrated(&self.origin.class, prompt, req.params.max_tokens).map_err(failed)?;
+        let grant = pending.granted().await.map_err(failed)?;
+        let leg = open_leg(&self.origin, &req, &mut self.record, grant, sent).await.map_err(failed)?;
+        self.leg = leg; // the lost leg is dropped: its prefill aborted, its capacity released
+        Ok(None)
     }
 
     /// The decode worker's timings (and its prefill's, for a prompt prefilled there).
@@ -267,6 +399,9 @@ impl RelayTask {
         match relayed {
             Relayed::Skip => true,
             Relayed::Send(update) => {
+                if let Update::Token { token_id, .. } = &update {
+                    self.sent.push(*token_id);
+                }
                 self.record.token();
                 self.tx.send(Ok(update)).await.is_ok()
             }
@@ -294,11 +429,27 @@ impl RelayTask {
     /// The prefill response normally arrives long before the last token; waits briefly for
     /// it so the record carries the prefill worker's timings.
     async fn await_prefill_record(&mut self) {
-        if let Some(task) = self.prefill.as_mut() {
+        if let Some(task) = self.leg.prefill.as_mut() {
             if let Ok(Ok(Ok(p))) = tokio::time::timeout(Duration::from_millis(200), &mut task.0).await {
                 self.record.prefill_worker = p.worker;
                 self.record.prefilled(p.timings);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broken_or_unfinished_stream_is_lost_a_refusal_is_not() {
+        let event = pb::DecodeEvent { event: Some(Event::Token(pb::TokenEvent::default())) };
+        assert_eq!(lost(&Ok(Some(event))), None);
+        assert_eq!(lost(&Ok(None)), Some("stream_ended"));
+        assert_eq!(lost(&Err(tonic::Status::unavailable("shut down"))), Some("unavailable"));
+        assert_eq!(lost(&Err(tonic::Status::unknown("h2 protocol error"))), Some("stream_broken"));
+        assert_eq!(lost(&Err(tonic::Status::invalid_argument("max_tokens"))), None);
+        assert_eq!(lost(&Err(tonic::Status::resource_exhausted("no blocks"))), None);
     }
 }

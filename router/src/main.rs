@@ -51,6 +51,10 @@ struct Args {
     /// not hold in its prefix cache counts as this many KV blocks of load (0: ignore caches).
     #[arg(long, env = "PD_PREFIX_WEIGHT", default_value_t = 2.0, value_parser = non_negative)]
     prefix_weight: f64,
+    /// A decode worker that lost a stream (its requests moved to others) gets no new requests
+    /// from this router for this long, in milliseconds.
+    #[arg(long, env = "PD_QUARANTINE_MS", default_value_t = 10_000)]
+    quarantine_ms: u64,
     /// Decode workers, host:port (DNS names are re-resolved on every request).
     #[arg(long, env = "PD_DECODE_WORKERS", value_delimiter = ',', required = true)]
     decode: Vec<String>,
@@ -98,6 +102,7 @@ async fn main() -> anyhow::Result<()> {
             prior_tokens_per_s: args.prefill_tokens_per_s,
             step_budget: args.prefill_step_tokens,
             prefix_weight: args.prefix_weight,
+            quarantine: std::time::Duration::from_millis(args.quarantine_ms),
         },
         limits: pd_router::Limits {
             max_tokens: args.max_tokens,

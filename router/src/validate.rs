@@ -120,6 +120,7 @@ pub fn validate(
         stop_token_ids: p.stop_token_ids,
         stop_strings: p.stop,
         ignore_eos: p.ignore_eos,
+        output_offset: 0,
     };
     Ok(ValidRequest { kind: p.kind, model, prompt_tokens, params, stream: p.stream, include_usage: p.include_usage })
 }

@@ -36,6 +36,7 @@ pub mod names {
     pub const ROUTE_DECISIONS: &str = "pd_route_decisions_total";
     pub const ROUTER_QUEUE_TIME: &str = "pd_router_queue_time_seconds";
     pub const ROUTER_QUEUED: &str = "pd_router_queued_requests";
+    pub const MIGRATIONS: &str = "pd_migrations_total";
     pub const PREFIX_QUERIES: &str = "pd_prefix_cache_queries_total";
     pub const PREFIX_HITS: &str = "pd_prefix_cache_hits_total";
     pub const CACHED_BLOCKS: &str = "pd_kv_cached_blocks";
@@ -194,9 +195,10 @@ pub struct RouterMetrics {
     pub e2e: HistogramVec,
     pub requests: IntCounterVec,
     pub rejected: IntCounterVec,
-    /// Prefills re-sent to another prefill worker after a failure (decode migration, when it
-    /// exists, gets `pd_migrations_total`).
+    /// Prefills re-sent to another prefill worker after a failure.
     pub prefill_retries: IntCounter,
+    /// Requests re-issued to another decode worker after theirs was lost, by why.
+    pub migrations: IntCounterVec,
     /// Where each prompt was prefilled (`where`: local or remote) and why.
     pub route_decisions: IntCounterVec,
     /// Time a request waited in the router's class queue before dispatch.
@@ -215,6 +217,11 @@ impl RouterMetrics {
             rejected: m.counter_vec(names::REJECTED, "Requests refused before generating, by reason.", &["reason"]),
             prefill_retries: m
                 .counter(names::PREFILL_RETRIES, "Prefills re-sent to another prefill worker after a failure."),
+            migrations: m.counter_vec(
+                names::MIGRATIONS,
+                "Requests continued on another decode worker after theirs was lost mid-stream, by why.",
+                &["reason"],
+            ),
             route_decisions: m.counter_vec(
                 names::ROUTE_DECISIONS,
                 "Where prompts were prefilled (local: on the decode worker) and why.",

@@ -62,10 +62,26 @@ async fn pd_bench_writes_a_consistent_report() {
     for (class, count) in &by_class {
         let bucket_sum: u64 = rows
             .iter()
-            .filter(|r| r["class"] == class.as_str() && r["input_bucket"] != "all")
+            .filter(|r| {
+                r["class"] == class.as_str()
+                    && !["all", "cold", "warm"].contains(&r["input_bucket"].as_str().unwrap_or(""))
+            })
             .map(|r| r["requests"].as_u64().expect("requests"))
             .sum();
         assert_eq!(bucket_sum, *count as u64, "{class}: bucket rows add up");
+        // The class with a shared prefix also splits into cold and warm requests.
+        let split: Vec<u64> = rows
+            .iter()
+            .filter(|r| {
+                r["class"] == class.as_str() && ["cold", "warm"].contains(&r["input_bucket"].as_str().unwrap_or(""))
+            })
+            .map(|r| r["requests"].as_u64().expect("requests"))
+            .collect();
+        if class == "batch" {
+            assert_eq!((split.len(), split.iter().sum::<u64>()), (2, *count as u64), "{class}: cold + warm rows");
+        } else {
+            assert!(split.is_empty(), "{class} has no shared prefix");
+        }
         if let Some(all) = rows.iter().find(|r| r["class"] == class.as_str() && r["input_bucket"] == "all") {
             assert_eq!(all["requests"].as_u64(), Some(*count as u64));
         }

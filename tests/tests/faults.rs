@@ -1,11 +1,14 @@
 //! Killing workers mid-request: a prefill worker dies during a prefill (another one takes
 //! over; or, alone, the client gets a typed error fast), a decode worker dies mid-stream (the
-//! stream ends with an error event). Nothing hangs. One cluster at a time (they are large).
+//! request continues on another decode worker with exactly the tokens of an undisturbed run;
+//! alone, the stream ends with an error event). Nothing hangs. One cluster at a time (they
+//! are large).
 
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
-use pd_tests::Cluster;
+use pd_proto::v1 as pb;
+use pd_tests::{Cluster, Options};
 use serde_json::{json, Value};
 use tokio::sync::Mutex;
 
@@ -94,4 +97,86 @@ async fn killed_decode_worker_ends_the_stream_with_an_error_event() {
     assert!(killed.elapsed() < Duration::from_secs(5), "ended after {:?}", killed.elapsed());
     assert!(text.contains("event: error"), "the stream ends with an error event: {text}");
     assert!(!text.contains("[DONE]"), "a failed stream never reports success");
+}
+
+/// Streams `request` over gRPC; kills the decode worker serving it (SIGKILL) once `kill_after`
+/// tokens arrived, if given. Returns the token ids and the final message.
+async fn generate(
+    cluster: &mut Cluster,
+    request: pb::GenerateRequest,
+    kill_after: Option<usize>,
+) -> (Vec<u32>, Option<pb::GenerationDone>, Option<usize>) {
+    let mut client =
+        pb::generation_client::GenerationClient::connect(format!("http://{}", cluster.grpc)).await.expect("grpc");
+    let mut stream = client.generate(request).await.expect("generate").into_inner();
+    let (mut tokens, mut done, mut killed) = (Vec::new(), None, None);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while let Some(message) =
+        tokio::time::timeout_at(deadline.into(), stream.message()).await.expect("no hang").expect("stream")
+    {
+        match message.message {
+            Some(pb::generate_response::Message::Token(t)) => tokens.push(t.token_id),
+            Some(pb::generate_response::Message::Done(d)) => done = Some(d),
+            None => {}
+        }
+        if killed.is_none() && Some(tokens.len()) == kill_after {
+            let mut serving = None;
+            for (i, addr) in cluster.decode_addrs.clone().iter().enumerate() {
+                let mut c = pb::decode_worker_client::DecodeWorkerClient::connect(format!("http://{addr}"))
+                    .await
+                    .expect("decode worker");
+                let load = c.load(pb::LoadRequest::default()).await.expect("load").into_inner();
+                if load.running_sequences > 0 {
+                    serving = Some(i);
+                }
+            }
+            let i = serving.expect("a decode worker runs the stream");
+            if i == 0 {
+                cluster.decode.kill()
+            } else {
+                cluster.more_decode[i - 1].kill()
+            }
+            killed = Some(i);
+        }
+    }
+    (tokens, done, killed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_decode_workers_stream_continues_on_another_with_the_same_tokens() {
+    let _guard = ONE_AT_A_TIME.lock().await;
+    let router_args = vec!["--quarantine-ms".into(), "300".into()];
+    let options = Options { prefill: 1, extra_decode: 1, router_args, ..Options::default() };
+    let mut cluster = Cluster::start_with(options).await;
+    let request = |temperature: f32| pb::GenerateRequest {
+        prompt: "Once upon a time, in a town by the sea,".into(),
+        sampling: Some(pb::SamplingParams {
+            temperature,
+            top_p: 0.95,
+            seed: 1234,
+            max_tokens: 120,
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    for temperature in [0.8, 0.0] {
+        let (expected, done, _) = generate(&mut cluster, request(temperature), None).await;
+        assert_eq!((expected.len(), done.map(|d| d.completion_tokens)), (120, Some(120)), "the undisturbed run");
+        let (got, done, killed) = generate(&mut cluster, request(temperature), Some(20)).await;
+        let killed = killed.expect("a decode worker was killed");
+        assert_eq!(got, expected, "after decode worker {killed} died, the tokens at temperature {temperature}");
+        let done = done.expect("the request finished");
+        assert_eq!((done.completion_tokens, done.finish_reason.as_str()), (120, "length"));
+        // Bring the killed worker back for the next round, after its quarantine.
+        cluster.restart_decode(killed);
+        tokio::time::sleep(Duration::from_millis(600)).await;
+    }
+    let metrics = Cluster::scrape(&cluster.http).await;
+    let migrations: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("pd_migrations_total{"))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum();
+    assert_eq!(migrations, 2.0, "each loss counted once:\n{metrics}");
 }

@@ -149,6 +149,8 @@ pub struct Fleet {
     pub prefill: Vec<PrefillState>,
     /// True after the first refresh.
     pub refreshed: bool,
+    /// Decode workers that lost a stream, passed over until the time given (this router only).
+    pub quarantine: HashMap<String, Instant>,
 }
 
 impl Fleet {
@@ -188,10 +190,19 @@ impl Fleet {
         self.prefill.iter_mut().find(|p| p.addr == addr)
     }
 
+    /// True while `addr` is in quarantine.
+    pub fn quarantined(&self, addr: &str) -> bool {
+        self.quarantine.get(addr).is_some_and(|until| *until > Instant::now())
+    }
+
+    /// Decode workers not in quarantine.
+    pub fn usable_decode(&self) -> impl Iterator<Item = &DecodeState> {
+        self.decode.iter().filter(|d| !self.quarantined(&d.addr))
+    }
+
     /// The decode worker with room for `blocks` (ITL SLO `itl`) and the most free blocks.
     pub fn best_decode(&self, blocks: u32, itl: Duration) -> Option<&DecodeState> {
-        self.decode
-            .iter()
+        self.usable_decode()
             .filter(|d| d.has_room(blocks, itl))
             .max_by_key(|d| (d.free_blocks(), std::cmp::Reverse(d.busy())))
     }
@@ -208,7 +219,7 @@ impl Fleet {
         weight: f64,
         now: Instant,
     ) -> Option<(&DecodeState, usize)> {
-        let scored = self.decode.iter().filter(|d| d.has_room(blocks, itl)).map(|d| {
+        let scored = self.usable_decode().filter(|d| d.has_room(blocks, itl)).map(|d| {
             let cached = d.prefixes.cached_tokens(prompt, now);
             let missing = d.blocks_for(prompt.len()).saturating_sub(d.blocks_for(cached)) as f64;
             let cost = weight * missing + f64::from(d.load_blocks());

@@ -46,6 +46,8 @@ pub struct ScheduleConfig {
     /// In the choice of a decode worker, each prompt block a worker lacks counts as this many
     /// blocks of load (0: ignore prefix caches).
     pub prefix_weight: f64,
+    /// How long a decode worker that lost a stream is passed over (this router only).
+    pub quarantine: Duration,
 }
 
 impl Default for ScheduleConfig {
@@ -61,6 +63,7 @@ impl Default for ScheduleConfig {
             prior_tokens_per_s: 300.0,
             step_budget: 256,
             prefix_weight: 2.0,
+            quarantine: Duration::from_secs(10),
         }
     }
 }
@@ -216,6 +219,57 @@ impl Scheduler {
             rx: Some(rx),
             expires: now + class.max_queue_age(),
         })
+    }
+
+    /// Queues a request whose decode worker was lost mid-stream (`prompt`: its prompt and the
+    /// tokens already sent) without admission control: it was admitted once. It goes first
+    /// among its priority. No decode worker outside quarantine: NoWorker at once.
+    pub fn submit_migrated(
+        self: &Arc<Self>,
+        class: &Arc<Class>,
+        prompt: Arc<Prompt>,
+        max_tokens: usize,
+    ) -> Result<Pending, RouterError> {
+        let mut inner = self.lock();
+        if inner.fleet.usable_decode().next().is_none() {
+            return Err(RouterError::NoWorker("decode"));
+        }
+        let now = Instant::now();
+        let tokens = prompt.len();
+        let work = tokens - inner.fleet.expected_cached(&prompt, now).min(tokens);
+        let (tx, rx) = oneshot::channel();
+        inner.seq += 1;
+        let seq = inner.seq;
+        inner.waiting.push(Waiting {
+            seq,
+            class: class.index,
+            priority: class.spec.priority,
+            tokens,
+            work,
+            max_tokens,
+            arrived: now,
+            deadline: now,
+            expires: now + class.max_queue_age(),
+            itl_slo: Duration::from_millis(class.spec.itl_slo_ms),
+            reply: Reply { tx, prompt },
+        });
+        inner.queued_tokens[class.index] += tokens as u64;
+        self.dispatch(&mut inner);
+        Ok(Pending {
+            scheduler: self.clone(),
+            seq,
+            class: class.clone(),
+            rx: Some(rx),
+            expires: now + class.max_queue_age(),
+        })
+    }
+
+    /// Passes over decode worker `addr` for `how_long` (it lost a stream).
+    pub fn quarantine(&self, addr: &str, how_long: Duration) {
+        let mut inner = self.lock();
+        let now = Instant::now();
+        inner.fleet.quarantine.retain(|_, until| *until > now);
+        inner.fleet.quarantine.insert(addr.to_string(), now + how_long);
     }
 
     /// Grants waiting requests, best first, while the head fits somewhere.
