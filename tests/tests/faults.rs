@@ -120,26 +120,69 @@ async fn generate(
             None => {}
         }
         if killed.is_none() && Some(tokens.len()) == kill_after {
-            let mut serving = None;
-            for (i, addr) in cluster.decode_addrs.clone().iter().enumerate() {
-                let mut c = pb::decode_worker_client::DecodeWorkerClient::connect(format!("http://{addr}"))
-                    .await
-                    .expect("decode worker");
-                let load = c.load(pb::LoadRequest::default()).await.expect("load").into_inner();
-                if load.running_sequences > 0 {
-                    serving = Some(i);
-                }
-            }
-            let i = serving.expect("a decode worker runs the stream");
-            if i == 0 {
-                cluster.decode.kill()
-            } else {
-                cluster.more_decode[i - 1].kill()
-            }
-            killed = Some(i);
+            killed = Some(kill_serving_decode(cluster).await);
         }
     }
     (tokens, done, killed)
+}
+
+/// SIGKILLs the decode worker that runs a sequence now; returns its index.
+async fn kill_serving_decode(cluster: &mut Cluster) -> usize {
+    let mut serving = None;
+    for (i, addr) in cluster.decode_addrs.clone().iter().enumerate() {
+        let mut c = pb::decode_worker_client::DecodeWorkerClient::connect(format!("http://{addr}"))
+            .await
+            .expect("decode worker");
+        let load = c.load(pb::LoadRequest::default()).await.expect("load").into_inner();
+        if load.running_sequences > 0 {
+            serving = Some(i);
+        }
+    }
+    let i = serving.expect("a decode worker runs the stream");
+    if i == 0 {
+        cluster.decode.kill()
+    } else {
+        cluster.more_decode[i - 1].kill()
+    }
+    i
+}
+
+/// Streams `body` over HTTP (SSE); kills the serving decode worker after `kill_after` token
+/// chunks, if given. Returns the text, the usage's completion tokens, whether `[DONE]` came,
+/// and the killed worker.
+async fn sse_text(
+    cluster: &mut Cluster,
+    body: &Value,
+    kill_after: Option<usize>,
+) -> (String, Option<u64>, bool, Option<usize>) {
+    let r = reqwest::Client::new().post(cluster.url("/v1/completions")).json(body).send().await.expect("request");
+    assert_eq!(r.status().as_u16(), 200);
+    let mut stream = r.bytes_stream();
+    let (mut buffer, mut text, mut chunks) = (String::new(), String::new(), 0);
+    let (mut usage, mut done, mut killed) = (None, false, None);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while let Some(chunk) = tokio::time::timeout_at(deadline.into(), stream.next()).await.expect("no hang") {
+        buffer.push_str(&String::from_utf8_lossy(&chunk.expect("chunk")));
+        while let Some(end) = buffer.find("\n\n") {
+            let event: String = buffer.drain(..end + 2).collect();
+            assert!(!event.contains("event: error"), "the stream failed: {event}");
+            let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else { continue };
+            if data == "[DONE]" {
+                done = true;
+                continue;
+            }
+            let v: Value = serde_json::from_str(data).expect("json chunk");
+            if let Some(t) = v["choices"][0]["text"].as_str() {
+                text.push_str(t);
+                chunks += 1;
+            }
+            usage = usage.or(v["usage"]["completion_tokens"].as_u64());
+        }
+        if killed.is_none() && Some(chunks) == kill_after {
+            killed = Some(kill_serving_decode(cluster).await);
+        }
+    }
+    (text, usage, done, killed)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -172,11 +215,20 @@ async fn a_killed_decode_workers_stream_continues_on_another_with_the_same_token
         cluster.restart_decode(killed);
         tokio::time::sleep(Duration::from_millis(600)).await;
     }
+    // Over HTTP (SSE), greedy: the same text as an undisturbed run, then usage and [DONE].
+    let body = json!({"prompt": "Once upon a time, in a town by the sea,", "max_tokens": 120, "temperature": 0,
+                      "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}});
+    let (expected, usage, done, _) = sse_text(&mut cluster, &body, None).await;
+    assert_eq!((usage, done), (Some(120), true));
+    let (got, usage, done, killed) = sse_text(&mut cluster, &body, Some(20)).await;
+    assert!(killed.is_some(), "a decode worker was killed");
+    assert_eq!(got, expected, "the streamed text after a decode worker died");
+    assert_eq!((usage, done), (Some(120), true));
     let metrics = Cluster::scrape(&cluster.http).await;
     let migrations: f64 = metrics
         .lines()
         .filter(|l| l.starts_with("pd_migrations_total{"))
         .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
         .sum();
-    assert_eq!(migrations, 2.0, "each loss counted once:\n{metrics}");
+    assert_eq!(migrations, 3.0, "each loss counted once:\n{metrics}");
 }

@@ -286,6 +286,18 @@ async fn one_request_is_one_trace_with_metrics_and_a_record() {
     assert!(ms("e2e_ms") >= ms("ttft_ms"), "{r}");
     assert!(ms("itl_p95_ms") >= ms("itl_p50_ms"), "{r}");
     assert_eq!(r["trace_id"].as_str().map(str::len), Some(32), "the record names its trace");
+
+    // --- what users wrote and got stays out of logs and traces ---------------------------
+    let answer: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert!(answer.trim().len() >= 6, "a real answer to look for: {answer:?}");
+    for content in ["Name three primary colors", answer.trim()] {
+        for (service, span) in &spans {
+            assert!(!format!("{span:?}").contains(content), "{service} put {content:?} in span {}", span.name);
+        }
+        for process in ["pd-router", "pd-prefill-0", "pd-decode"] {
+            assert!(!cluster.log(process).contains(content), "{process} logged {content:?}");
+        }
+    }
 }
 
 fn pd_telemetry_bucket(tokens: usize) -> &'static str {

@@ -195,8 +195,16 @@ impl Fleet {
         self.quarantine.get(addr).is_some_and(|until| *until > Instant::now())
     }
 
-    /// Decode workers not in quarantine.
+    /// Decode workers not in quarantine, or all of them when every one is: quarantine steers
+    /// new work away from a worker that lost a stream while another can take it; it does not
+    /// leave a pool of one without a worker.
     pub fn usable_decode(&self) -> impl Iterator<Item = &DecodeState> {
+        let any_healthy = self.healthy_decode().next().is_some();
+        self.decode.iter().filter(move |d| !any_healthy || !self.quarantined(&d.addr))
+    }
+
+    /// Decode workers not in quarantine.
+    pub fn healthy_decode(&self) -> impl Iterator<Item = &DecodeState> {
         self.decode.iter().filter(|d| !self.quarantined(&d.addr))
     }
 
@@ -409,5 +417,21 @@ mod tests {
         p.in_flight = vec![(1, 2048), (2, 2048), (3, 2048)];
         p.load.max_partial_prefills = 8;
         p.load.prefill_tokens_per_s = 300.0;
+    }
+
+    #[test]
+    fn a_quarantined_decode_worker_gets_work_only_when_it_is_the_only_one() {
+        let mut fleet = Fleet::default();
+        fleet.apply(vec![("a".into(), decode(100, 0, 4)), ("b".into(), decode(50, 0, 4))], vec![]);
+        let itl = Duration::from_millis(100);
+        assert_eq!(fleet.best_decode(1, itl).map(|d| d.addr.as_str()), Some("a"));
+        fleet.quarantine.insert("a".into(), Instant::now() + Duration::from_secs(10));
+        assert_eq!(fleet.best_decode(1, itl).map(|d| d.addr.as_str()), Some("b"));
+        assert_eq!(fleet.healthy_decode().count(), 1);
+        fleet.apply(vec![("a".into(), decode(100, 0, 4))], vec![]);
+        assert_eq!(fleet.best_decode(1, itl).map(|d| d.addr.as_str()), Some("a"), "alone, it still serves");
+        assert_eq!(fleet.healthy_decode().count(), 0, "but a migration will not go back to it");
+        fleet.quarantine.insert("a".into(), Instant::now());
+        assert_eq!(fleet.healthy_decode().count(), 1, "the quarantine ended");
     }
 }

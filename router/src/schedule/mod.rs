@@ -223,7 +223,8 @@ impl Scheduler {
 
     /// Queues a request whose decode worker was lost mid-stream (`prompt`: its prompt and the
     /// tokens already sent) without admission control: it was admitted once. It goes first
-    /// among its priority. No decode worker outside quarantine: NoWorker at once.
+    /// among its priority. No decode worker outside quarantine (the lost one is in it): NoWorker
+    /// at once.
     pub fn submit_migrated(
         self: &Arc<Self>,
         class: &Arc<Class>,
@@ -231,7 +232,7 @@ impl Scheduler {
         max_tokens: usize,
     ) -> Result<Pending, RouterError> {
         let mut inner = self.lock();
-        if inner.fleet.usable_decode().next().is_none() {
+        if inner.fleet.healthy_decode().next().is_none() {
             return Err(RouterError::NoWorker("decode"));
         }
         let now = Instant::now();
