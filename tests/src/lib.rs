@@ -19,7 +19,10 @@ pub fn model_path() -> PathBuf {
     path
 }
 
-fn binary(name: &str) -> PathBuf {
+pub mod netns;
+
+/// The path of pd binary `name` in the test's target directory.
+pub fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     // target/<profile>/deps/<test> -> target/<profile>/<name>
     let dir = exe.parent().and_then(|d| d.parent()).expect("target directory");
@@ -94,20 +97,23 @@ pub struct Options {
 /// Starts `name` with `args` and waits for the stdout line starting with `prefix`; returns
 /// the lines printed up to it (the last one without its prefix).
 fn spawn(name: &str, args: &[String], prefix: &str, options: &Options, log: Option<PathBuf>) -> (Proc, Vec<String>) {
+    let mut command = Command::new(binary(name));
+    command.args(args).env("UCX_NET_DEVICES", "lo").envs(options.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    spawn_command(command, name, prefix, log)
+}
+
+/// Starts `command` (pd binary `name`, perhaps behind a wrapper such as `ip netns exec`) and
+/// waits for the stdout line starting with `prefix`; returns the lines printed up to it (the
+/// last one without its prefix). Its stderr goes to `log`, or to the test's stderr.
+pub fn spawn_command(mut command: Command, name: &str, prefix: &str, log: Option<PathBuf>) -> (Proc, Vec<String>) {
     let stderr = match &log {
         Some(path) => {
             Stdio::from(std::fs::File::create(path).unwrap_or_else(|e| panic!("log file {}: {e}", path.display())))
         }
         None => Stdio::inherit(),
     };
-    let mut child = Command::new(binary(name))
-        .args(args)
-        .env("UCX_NET_DEVICES", "lo")
-        .envs(options.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .stdout(Stdio::piped())
-        .stderr(stderr)
-        .spawn()
-        .unwrap_or_else(|e| panic!("starting {name}: {e}"));
+    let mut child =
+        command.stdout(Stdio::piped()).stderr(stderr).spawn().unwrap_or_else(|e| panic!("starting {name}: {e}"));
     let stdout = child.stdout.take().expect("stdout");
     // Owned from here on: killed on every path, a failed start included.
     let proc = Proc { child, name: name.to_string() };
