@@ -1,7 +1,9 @@
 //! Traffic classes: what a request may ask for and how long it may wait, declared in a TOML
 //! file (`--classes`) or the built-in `interactive` + `batch`. A request's class comes from
-//! its API key when the key is mapped to one (a key cannot claim another class), else from
-//! the `x-pd-class` header or metadata, else the default class. Limits are checked here with
+//! its API key when the key is mapped to one (a class's `api_keys`, or a tenant's `class`; a
+//! key cannot claim another class), else from the `x-pd-class` header or metadata, else the
+//! default class. The same file declares tenants (`tenants`: keys, class, rate) and whether
+//! an API key is required (`require_api_key`: 401 without a known one). Limits are checked here with
 //! errors that name the limit; the queue budget and SLOs are used by `schedule`.
 
 use std::collections::BTreeMap;
@@ -12,6 +14,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::error::RouterError;
+use crate::tenants::{bearer, Tenant, TenantSpec};
 
 /// One class as written in the file (milliseconds and token counts).
 #[derive(Debug, Clone, Deserialize)]
@@ -40,6 +43,10 @@ pub struct ClassSpec {
 struct ClassFile {
     default: String,
     classes: BTreeMap<String, ClassSpec>,
+    #[serde(default)]
+    require_api_key: bool,
+    #[serde(default)]
+    tenants: BTreeMap<String, TenantSpec>,
 }
 
 /// A class ready for use.
@@ -99,6 +106,8 @@ impl Class {
 pub struct Classes {
     all: Vec<Arc<Class>>,
     default: usize,
+    tenants: Vec<Arc<Tenant>>,
+    require_api_key: bool,
 }
 
 /// The header (HTTP) and metadata key (gRPC) naming a request's class.
@@ -138,7 +147,24 @@ impl Classes {
             .iter()
             .position(|c| c.name == file.default)
             .ok_or_else(|| format!("default class `{}` is not declared", file.default))?;
-        Ok(Classes { all, default })
+        let mut tenants = Vec::new();
+        for (name, spec) in file.tenants {
+            if let Some(class) = &spec.class {
+                if !all.iter().any(|c| &c.name == class) {
+                    return Err(format!("tenant `{name}`: class `{class}` is not declared"));
+                }
+            }
+            for key in &spec.api_keys {
+                if let Some(other) = keys.insert(key.clone(), name.clone()) {
+                    return Err(format!("an API key is listed under both `{other}` and `{name}`"));
+                }
+            }
+            tenants.push(Arc::new(Tenant::new(name, spec)?));
+        }
+        if file.require_api_key && keys.is_empty() {
+            return Err("require_api_key is set but no class or tenant lists an API key".into());
+        }
+        Ok(Classes { all, default, tenants, require_api_key: file.require_api_key })
     }
 
     pub fn all(&self) -> &[Arc<Class>] {
@@ -149,17 +175,33 @@ impl Classes {
         &self.all[self.default]
     }
 
-    /// The class of a request with `header` (x-pd-class) and `authorization` values.
+    /// The class of a request with `header` (x-pd-class) and `authorization` values; 401
+    /// without a known key when one is required, 429 when its tenant is over its rate.
     pub fn assign(&self, header: Option<&[u8]>, authorization: Option<&[u8]>) -> Result<Arc<Class>, RouterError> {
-        let key = authorization
-            .and_then(|v| std::str::from_utf8(v).ok())
-            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-            .map(str::trim);
-        if let Some(key) = key {
-            if let Some(c) = self.all.iter().find(|c| c.spec.api_keys.iter().any(|k| k == key)) {
-                return Ok(c.clone());
+        match bearer(authorization) {
+            Some(key) => {
+                if let Some(c) = self.all.iter().find(|c| c.spec.api_keys.iter().any(|k| k == key)) {
+                    return Ok(c.clone());
+                }
+                if let Some(t) = self.tenants.iter().find(|t| t.spec.api_keys.iter().any(|k| k == key)) {
+                    t.admit(std::time::Instant::now())?;
+                    if let Some(class) = t.spec.class.as_ref().and_then(|n| self.all.iter().find(|c| &c.name == n)) {
+                        return Ok(class.clone());
+                    }
+                } else if self.require_api_key {
+                    return Err(RouterError::Unauthorized("the API key is not known here".into()));
+                }
             }
+            None if self.require_api_key => {
+                return Err(RouterError::Unauthorized("an API key is required (Authorization: Bearer KEY)".into()));
+            }
+            None => {}
         }
+        self.by_header(header)
+    }
+
+    /// The class a header names, or the default without one.
+    fn by_header(&self, header: Option<&[u8]>) -> Result<Arc<Class>, RouterError> {
         let Some(value) = header else { return Ok(self.default_class().clone()) };
         let name = std::str::from_utf8(value).map_err(|_| RouterError::invalid(CLASS_HEADER, "is not UTF-8"))?.trim();
         self.all.iter().find(|c| c.name == name).cloned().ok_or_else(|| {
@@ -222,6 +264,26 @@ mod tests {
         let class = c.assign(Some(b"interactive"), Some(b"Bearer k-batch")).expect("class");
         assert_eq!(class.name, "batch");
         assert_eq!(c.assign(None, Some(b"Bearer other")).expect("class").name, "interactive");
+    }
+
+    #[test]
+    fn tenants_need_their_key_get_their_class_and_are_held_to_their_rate() {
+        // Top-level keys come before the tables in TOML.
+        let file = BUILT_IN.replace("default = \"interactive\"", "default = \"interactive\"\nrequire_api_key = true")
+            + "\n[tenants.acme]\napi_keys = [\"k-acme\"]\nclass = \"batch\"\nrequests_per_s = 1\n"
+            + "\n[tenants.free]\napi_keys = [\"k-free\"]\n";
+        let c = Classes::parse(&file).expect("classes");
+        let missing = c.assign(None, None).expect_err("no key");
+        assert!(matches!(&missing, RouterError::Unauthorized(m) if m.contains("Authorization: Bearer")));
+        assert!(matches!(c.assign(None, Some(b"Bearer nope")), Err(RouterError::Unauthorized(_))));
+        let acme = c.assign(Some(b"interactive"), Some(b"Bearer k-acme")).expect("acme");
+        assert_eq!(acme.name, "batch", "the tenant's class, whatever the header says");
+        let limited = c.assign(None, Some(b"Bearer k-acme")).expect_err("1 request/s");
+        assert!(matches!(limited, RouterError::Overloaded { retry_after_s: 1, .. }));
+        assert_eq!(c.assign(Some(b"batch"), Some(b"Bearer k-free")).expect("free").name, "batch");
+        assert_eq!(c.assign(None, Some(b"Bearer k-free")).expect("free").name, "interactive");
+        let bad = format!("{BUILT_IN}\n[tenants.x]\napi_keys = [\"k\"]\nclass = \"gold\"\n");
+        assert!(Classes::parse(&bad).expect_err("unknown class").contains("class `gold`"));
     }
 
     #[test]

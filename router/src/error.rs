@@ -37,6 +37,9 @@ pub enum RouterError {
     /// A worker failed while serving the request.
     #[error("{stage} failed: {message}")]
     Worker { stage: &'static str, message: String },
+    /// No API key, or an unknown one, where one is required.
+    #[error("{0}")]
+    Unauthorized(String),
     /// The request's decode worker was lost and it could not be continued elsewhere (no other
     /// decode worker, or the migration limit reached); says why.
     #[error("{0}")]
@@ -61,6 +64,7 @@ impl RouterError {
             RouterError::NoWorker(_) => "no_worker",
             RouterError::Worker { .. } => "worker_failed",
             RouterError::Migration(_) => "migration_failed",
+            RouterError::Unauthorized(_) => "unauthorized",
         }
     }
 
@@ -72,6 +76,7 @@ impl RouterError {
             RouterError::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             RouterError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
             RouterError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            RouterError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             RouterError::NoWorker(_) | RouterError::Worker { .. } | RouterError::Migration(_) => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -88,6 +93,7 @@ impl RouterError {
             | RouterError::Unprocessable(_) => "invalid_request_error",
             RouterError::ModelNotFound(_) => "not_found_error",
             RouterError::Overloaded { .. } => "rate_limit_error",
+            RouterError::Unauthorized(_) => "authentication_error",
             RouterError::NoWorker(_) | RouterError::Worker { .. } | RouterError::Migration(_) => "service_unavailable",
         }
     }
@@ -114,6 +120,7 @@ impl RouterError {
             | RouterError::Unprocessable(_) => tonic::Status::invalid_argument(self.to_string()),
             RouterError::ModelNotFound(_) => tonic::Status::not_found(self.to_string()),
             RouterError::Overloaded { retry_after_s, .. } => retry_status(self.to_string(), *retry_after_s),
+            RouterError::Unauthorized(_) => tonic::Status::unauthenticated(self.to_string()),
             RouterError::NoWorker(_) | RouterError::Worker { .. } | RouterError::Migration(_) => {
                 tonic::Status::unavailable(self.to_string())
             }
@@ -140,6 +147,9 @@ impl IntoResponse for RouterError {
             if let Ok(v) = axum::http::HeaderValue::from_str(&retry_after_s.to_string()) {
                 response.headers_mut().insert("retry-after", v);
             }
+        }
+        if let RouterError::Unauthorized(_) = &self {
+            response.headers_mut().insert("www-authenticate", axum::http::HeaderValue::from_static("Bearer"));
         }
         response
     }
@@ -187,6 +197,7 @@ mod tests {
                 Code::Unavailable,
                 "worker_failed",
             ),
+            (RouterError::Unauthorized("x".into()), StatusCode::UNAUTHORIZED, Code::Unauthenticated, "unauthorized"),
             (
                 RouterError::Migration("x".into()),
                 StatusCode::SERVICE_UNAVAILABLE,

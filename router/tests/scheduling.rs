@@ -127,3 +127,43 @@ async fn class_limits_and_unknown_classes_are_refused_naming_the_limit() {
         send(&router, "interactive", json!({"messages": [{"role": "user", "content": "Hi"}]})).await.expect("task");
     assert_eq!(status, 200, "{body}");
 }
+
+#[tokio::test]
+async fn tenants_need_a_known_key_and_are_held_to_their_rate() {
+    let file = CLASSES.replace("default = \"interactive\"", "default = \"interactive\"\nrequire_api_key = true")
+        + "\n[tenants.acme]\napi_keys = [\"k-acme\"]\nrequests_per_s = 0.5\nburst = 2\n";
+    let commits = Commits::default();
+    let classes = Classes::parse(&file).expect("classes");
+    let decode = serve_decode(FakeDecode::new(100, &commits)).await;
+    let router = start_router_with(vec![serve_prefill(FakePrefill::new(&commits)).await], vec![decode], classes).await;
+    let url = format!("{}/v1/chat/completions", router.http);
+    let post = |key: Option<&'static str>| {
+        let mut r = reqwest::Client::new().post(&url).json(&hi(2));
+        if let Some(k) = key {
+            r = r.bearer_auth(k);
+        }
+        r.send()
+    };
+    let none = post(None).await.expect("send");
+    assert_eq!(none.status().as_u16(), 401);
+    assert_eq!(none.headers().get("www-authenticate").and_then(|v| v.to_str().ok()), Some("Bearer"));
+    let body: Value = none.json().await.expect("json");
+    assert_eq!(body["error"]["type"], "authentication_error");
+    assert_eq!(post(Some("k-other")).await.expect("send").status().as_u16(), 401);
+    for _ in 0..2 {
+        assert_eq!(post(Some("k-acme")).await.expect("send").status().as_u16(), 200, "within the burst");
+    }
+    let over = post(Some("k-acme")).await.expect("send");
+    assert_eq!(over.status().as_u16(), 429);
+    assert_eq!(over.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("2"));
+    assert!(over.text().await.unwrap_or_default().contains("requests_per_s"));
+    // gRPC: UNAUTHENTICATED without a key.
+    let mut client = pb::generation_client::GenerationClient::connect(router.grpc.clone()).await.expect("connect");
+    let request = pb::GenerateRequest {
+        prompt: "Hi".into(),
+        sampling: Some(pb::SamplingParams { max_tokens: 2, ..Default::default() }),
+        ..Default::default()
+    };
+    let status = client.generate(request).await.expect_err("no key");
+    assert_eq!(status.code(), tonic::Code::Unauthenticated);
+}
