@@ -2,7 +2,7 @@
 # Installs the Debian packages pd builds against, if missing (Debian/Ubuntu, needs root):
 # protoc (gRPC code generation), libucx + libclang + pkg-config (the `ucx` transport and its
 # bindgen step), a C toolchain, Python with pip (model fetch), curl (the local launcher) and
-# iproute2 + procps (`ip netns` and `kill` in the chaos test).
+# iproute2 + procps (`ip netns` and `kill` in the chaos test) and openssl (test certificates).
 #
 # Each package is checked by its dpkg status, never by a file: another package may ship a
 # look-alike (the image carries libclang-cpp.so.14, which is not the libclang bindgen loads).
@@ -11,7 +11,7 @@
 #   scripts/install-deps.sh --check   install nothing; exit 1 naming any package not installed
 set -euo pipefail
 
-packages=(build-essential pkg-config python3 python3-pip protobuf-compiler curl libucx-dev libclang-dev iproute2 procps)
+packages=(build-essential pkg-config python3 python3-pip protobuf-compiler curl libucx-dev libclang-dev iproute2 procps openssl)
 
 installed() { [[ "$(dpkg-query -W -f='${Status}' "$1" 2>/dev/null)" == "install ok installed" ]]; }
 

@@ -25,4 +25,6 @@ pub struct Config {
     /// On shutdown, how long running sequences may take to finish before they are ended
     /// with UNAVAILABLE.
     pub grace: Duration,
+    /// Mutual TLS on the gRPC server (DecodeWorker and KvTransfer); None: plaintext.
+    pub tls: Option<pd_proto::tls::TlsFiles>,
 }

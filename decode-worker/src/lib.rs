@@ -88,7 +88,11 @@ pub async fn run(
     });
     endpoints.set_ready(true);
     let incoming = pd_proto::nodelay_incoming(listener);
-    let result = kv_server_builder()
+    let mut server = kv_server_builder();
+    if let Some(tls) = &config.tls {
+        server = server.tls_config(tls.server().map_err(anyhow::Error::msg)?)?;
+    }
+    let result = server
         .add_service(DecodeWorkerServer::new(service))
         .add_service(KvTransferService::new(registry).into_server())
         .serve_with_incoming_shutdown(incoming, async {

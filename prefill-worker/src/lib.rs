@@ -50,6 +50,8 @@ pub struct Config {
     pub kv_timeout: Duration,
     /// On shutdown, the longest wait for accepted prefills to finish.
     pub grace: Duration,
+    /// Mutual TLS on the gRPC server and on the KV links to decode workers; None: plaintext.
+    pub tls: Option<pd_proto::tls::TlsFiles>,
 }
 
 /// Loads the model and serves gRPC on `listener` and the HTTP endpoints on `http` until
@@ -66,7 +68,8 @@ pub async fn run(
         let config = config.clone();
         tokio::task::spawn_blocking(move || Engine::load(&config.model, config.load, config.cache)).await??
     };
-    let service_config = ServiceConfig { step: config.step, kv_timeout: config.kv_timeout };
+    let kv_tls = config.tls.as_ref().map(|t| t.client()).transpose().map_err(anyhow::Error::msg)?;
+    let service_config = ServiceConfig { step: config.step, kv_timeout: config.kv_timeout, kv_tls };
     let service = PrefillService::new(Arc::new(engine), service_config, PrefillMetrics::register(&metrics))?;
     let scraped = service.clone();
     metrics.on_scrape(move || scraped.refresh_gauges());
@@ -94,7 +97,11 @@ pub async fn run(
     });
     endpoints.set_ready(true);
     let incoming = pd_proto::nodelay_incoming(listener);
-    let result = tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = &config.tls {
+        server = server.tls_config(tls.server().map_err(anyhow::Error::msg)?)?;
+    }
+    let result = server
         .add_service(PrefillWorkerServer::new(service))
         .serve_with_incoming_shutdown(incoming, async {
             let _ = stop_rx.await;

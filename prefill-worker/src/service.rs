@@ -36,6 +36,8 @@ pub struct ServiceConfig {
     pub step: StepConfig,
     /// Longest wait on a decode worker's KV service.
     pub kv_timeout: Duration,
+    /// TLS for the KV links (None: plaintext).
+    pub kv_tls: Option<tonic::transport::ClientTlsConfig>,
 }
 
 /// Shared state of the prefill service.
@@ -100,7 +102,7 @@ impl PrefillService {
         if let Some(s) = self.senders.lock().ok().and_then(|m| m.get(endpoint).cloned()) {
             return Ok(s);
         }
-        let sender = GrpcKvSender::connect(endpoint, self.config.kv_timeout).await?;
+        let sender = GrpcKvSender::connect_with(endpoint, self.config.kv_timeout, self.config.kv_tls.clone()).await?;
         if let Ok(mut m) = self.senders.lock() {
             m.insert(endpoint.to_string(), sender.clone());
         }

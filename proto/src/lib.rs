@@ -7,6 +7,8 @@ pub mod v1 {
     tonic::include_proto!("pd.v1");
 }
 
+pub mod tls;
+
 /// Encoded file descriptors of every pd.v1 proto, for gRPC server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/pd_descriptor.bin"));
 

@@ -62,6 +62,8 @@ pub struct Config {
     /// After the shutdown signal: how long `/ready` fails while the servers still accept
     /// requests, so load balancers stop sending new ones before the listeners close.
     pub drain_delay: std::time::Duration,
+    /// Mutual TLS to the workers (`pd_proto::tls`); None: plaintext.
+    pub tls: Option<pd_proto::tls::TlsFiles>,
 }
 
 /// Serves HTTP on `http` and gRPC on `grpc` until `shutdown` resolves.
@@ -77,9 +79,10 @@ pub async fn run(
     };
     let metrics = Arc::new(pd_telemetry::Metrics::new());
     let router_metrics = RouterMetrics::register(&metrics);
+    let tls = config.tls.as_ref().map(|t| t.client()).transpose().map_err(anyhow::Error::msg)?;
     let pools = Arc::new(workers::Pools {
-        decode: workers::Pool::new("decode", config.decode_workers.clone()),
-        prefill: workers::Pool::new("prefill", config.prefill_workers.clone()),
+        decode: workers::Pool::new("decode", config.decode_workers.clone(), tls.clone()),
+        prefill: workers::Pool::new("prefill", config.prefill_workers.clone(), tls),
     });
     let scheduler =
         schedule::Scheduler::new(config.classes.clone(), config.schedule.clone(), pools, router_metrics.clone());

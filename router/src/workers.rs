@@ -19,11 +19,13 @@ pub struct Pool {
     /// `host:port` as given (names are resolved on use).
     specs: Vec<String>,
     channels: Mutex<HashMap<String, Channel>>,
+    /// Mutual TLS to these workers (None: plaintext).
+    tls: Option<tonic::transport::ClientTlsConfig>,
 }
 
 impl Pool {
-    pub fn new(name: &'static str, specs: Vec<String>) -> Self {
-        Pool { name, specs, channels: Mutex::new(HashMap::new()) }
+    pub fn new(name: &'static str, specs: Vec<String>, tls: Option<tonic::transport::ClientTlsConfig>) -> Self {
+        Pool { name, specs, channels: Mutex::new(HashMap::new()), tls }
     }
 
     /// True when the pool has no workers configured.
@@ -52,8 +54,13 @@ impl Pool {
         if let Some(c) = channels.get(addr) {
             return Ok(c.clone());
         }
-        let channel = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| RouterError::Worker { stage: self.name, message: e.to_string() })?
+        let failed = |e: tonic::transport::Error| RouterError::Worker { stage: self.name, message: e.to_string() };
+        let mut endpoint =
+            Endpoint::from_shared(format!("{}://{addr}", pd_proto::tls::scheme(self.tls.is_some()))).map_err(failed)?;
+        if let Some(tls) = &self.tls {
+            endpoint = endpoint.tls_config(tls.clone()).map_err(failed)?;
+        }
+        let channel = endpoint
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(1))

@@ -139,6 +139,7 @@ async fn no_reachable_worker_is_503_and_not_ready() {
             limits: pd_router::Limits { max_tokens: 64, default_completion_tokens: 16, default_chat_tokens: 64 },
             body_limit: 1 << 20,
             drain_delay: Duration::ZERO,
+            tls: None,
         };
         tokio::spawn(pd_router::run(config, http, grpc, std::future::pending()));
         format!("http://{addr}")

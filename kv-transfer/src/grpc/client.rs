@@ -29,10 +29,23 @@ fn transport(e: impl std::fmt::Display) -> TransferError {
 }
 
 impl GrpcKvSender {
-    /// Connects to `addr` (`host:port`).
+    /// Connects to `addr` (`host:port`) in plaintext.
     pub async fn connect(addr: &str, timeout: Duration) -> Result<Self, TransferError> {
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(transport)?
+        Self::connect_with(addr, timeout, None).await
+    }
+
+    /// Connects to `addr`, with mutual TLS when `tls` is given.
+    pub async fn connect_with(
+        addr: &str,
+        timeout: Duration,
+        tls: Option<tonic::transport::ClientTlsConfig>,
+    ) -> Result<Self, TransferError> {
+        let mut endpoint =
+            Endpoint::from_shared(format!("{}://{addr}", pd_proto::tls::scheme(tls.is_some()))).map_err(transport)?;
+        if let Some(tls) = tls {
+            endpoint = endpoint.tls_config(tls).map_err(transport)?;
+        }
+        let endpoint = endpoint
             .connect_timeout(timeout)
             .tcp_nodelay(true)
             .initial_stream_window_size(Some(STREAM_WINDOW))

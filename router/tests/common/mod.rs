@@ -253,6 +253,7 @@ pub async fn start_router_with(
         limits: pd_router::Limits { max_tokens: 4096, default_completion_tokens: 16, default_chat_tokens: 512 },
         body_limit: 1 << 20,
         drain_delay: Duration::ZERO,
+        tls: None,
     };
     let http = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let grpc = TcpListener::bind("127.0.0.1:0").await.expect("bind");
