@@ -194,31 +194,7 @@ impl Scheduler {
         let own = policy::estimated_wait(0, work, rate);
         policy::admit(&class.name, tokens, budget, wait, own, rate)
             .map_err(|r| RouterError::Overloaded { message: r.message, retry_after_s: r.retry_after_s })?;
-        let (tx, rx) = oneshot::channel();
-        inner.seq += 1;
-        let seq = inner.seq;
-        inner.waiting.push(Waiting {
-            seq,
-            class: class.index,
-            priority: class.spec.priority,
-            tokens,
-            work,
-            max_tokens,
-            arrived: now,
-            deadline: now + class.ttft_slo(),
-            expires: now + class.max_queue_age(),
-            itl_slo: Duration::from_millis(class.spec.itl_slo_ms),
-            reply: Reply { tx, prompt },
-        });
-        inner.queued_tokens[class.index] += tokens as u64;
-        self.dispatch(&mut inner);
-        Ok(Pending {
-            scheduler: self.clone(),
-            seq,
-            class: class.clone(),
-            rx: Some(rx),
-            expires: now + class.max_queue_age(),
-        })
+        Ok(self.enqueue(&mut inner, class, prompt, max_tokens, now + class.ttft_slo()))
     }
 
     /// Queues a request whose decode worker was lost mid-stream (`prompt`: its prompt and the
@@ -235,8 +211,21 @@ impl Scheduler {
         if inner.fleet.healthy_decode().next().is_none() {
             return Err(RouterError::NoWorker("decode"));
         }
-        let now = Instant::now();
-        let tokens = prompt.len();
+        Ok(self.enqueue(&mut inner, class, prompt, max_tokens, Instant::now()))
+    }
+
+    /// Puts an admitted request in the queue with TTFT deadline `deadline` (its place among
+    /// its priority) and dispatches what fits.
+    fn enqueue(
+        self: &Arc<Self>,
+        inner: &mut Inner,
+        class: &Arc<Class>,
+        prompt: Arc<Prompt>,
+        max_tokens: usize,
+        deadline: Instant,
+    ) -> Pending {
+        let (now, tokens) = (Instant::now(), prompt.len());
+        // What must be computed: the prompt less what the best-placed worker caches.
         let work = tokens - inner.fleet.expected_cached(&prompt, now).min(tokens);
         let (tx, rx) = oneshot::channel();
         inner.seq += 1;
@@ -249,20 +238,20 @@ impl Scheduler {
             work,
             max_tokens,
             arrived: now,
-            deadline: now,
+            deadline,
             expires: now + class.max_queue_age(),
             itl_slo: Duration::from_millis(class.spec.itl_slo_ms),
             reply: Reply { tx, prompt },
         });
         inner.queued_tokens[class.index] += tokens as u64;
-        self.dispatch(&mut inner);
-        Ok(Pending {
+        self.dispatch(inner);
+        Pending {
             scheduler: self.clone(),
             seq,
             class: class.clone(),
             rx: Some(rx),
             expires: now + class.max_queue_age(),
-        })
+        }
     }
 
     /// Passes over decode worker `addr` for `how_long` (it lost a stream).
