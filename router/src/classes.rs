@@ -200,6 +200,12 @@ impl Classes {
         self.by_header(header)
     }
 
+    /// The tenant whose API key `authorization` carries, for the request's record.
+    pub fn tenant(&self, authorization: Option<&[u8]>) -> Option<String> {
+        let key = bearer(authorization)?;
+        self.tenants.iter().find(|t| t.spec.api_keys.iter().any(|k| k == key)).map(|t| t.name.clone())
+    }
+
     /// The class a header names, or the default without one.
     fn by_header(&self, header: Option<&[u8]>) -> Result<Arc<Class>, RouterError> {
         let Some(value) = header else { return Ok(self.default_class().clone()) };

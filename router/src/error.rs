@@ -44,6 +44,10 @@ pub enum RouterError {
     /// decode worker, or the migration limit reached); says why.
     #[error("{0}")]
     Migration(String),
+    /// The client took no event for longer than the send timeout; the request was ended so
+    /// it holds no worker. Rarely seen by the client itself (it is not reading).
+    #[error("{0}")]
+    ClientTooSlow(String),
 }
 
 impl RouterError {
@@ -65,6 +69,7 @@ impl RouterError {
             RouterError::Worker { .. } => "worker_failed",
             RouterError::Migration(_) => "migration_failed",
             RouterError::Unauthorized(_) => "unauthorized",
+            RouterError::ClientTooSlow(_) => "client_too_slow",
         }
     }
 
@@ -77,6 +82,7 @@ impl RouterError {
             RouterError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
             RouterError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             RouterError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            RouterError::ClientTooSlow(_) => StatusCode::REQUEST_TIMEOUT,
             RouterError::NoWorker(_) | RouterError::Worker { .. } | RouterError::Migration(_) => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -94,6 +100,7 @@ impl RouterError {
             RouterError::ModelNotFound(_) => "not_found_error",
             RouterError::Overloaded { .. } => "rate_limit_error",
             RouterError::Unauthorized(_) => "authentication_error",
+            RouterError::ClientTooSlow(_) => "timeout_error",
             RouterError::NoWorker(_) | RouterError::Worker { .. } | RouterError::Migration(_) => "service_unavailable",
         }
     }
@@ -121,6 +128,7 @@ impl RouterError {
             RouterError::ModelNotFound(_) => tonic::Status::not_found(self.to_string()),
             RouterError::Overloaded { retry_after_s, .. } => retry_status(self.to_string(), *retry_after_s),
             RouterError::Unauthorized(_) => tonic::Status::unauthenticated(self.to_string()),
+            RouterError::ClientTooSlow(_) => tonic::Status::deadline_exceeded(self.to_string()),
             RouterError::NoWorker(_) | RouterError::Worker { .. } | RouterError::Migration(_) => {
                 tonic::Status::unavailable(self.to_string())
             }

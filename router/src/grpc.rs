@@ -83,7 +83,7 @@ impl Generation for GenerationService {
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
         let arrival = Arrival::new(&pd_telemetry::otel::extract_metadata(request.metadata()));
         let metadata = request.metadata();
-        let class = self.state.class(
+        let caller = self.state.caller(
             metadata.get(CLASS_HEADER).map(|v| v.as_bytes()),
             metadata.get("authorization").map(|v| v.as_bytes()),
         );
@@ -91,7 +91,7 @@ impl Generation for GenerationService {
         let id = if req.request_id.is_empty() { self.state.request_id() } else { req.request_id.clone() };
         let params = params_from_pb(req);
         let (valid, class, record) =
-            self.state.accept(arrival, class, params, id.clone()).await.map_err(|e| e.to_status())?;
+            self.state.accept(arrival, caller, params, id.clone()).await.map_err(|e| e.to_status())?;
         let updates = lifecycle::start(self.state.scheduler.clone(), self.state.text.clone(), &valid, class, record)
             .await
             .map_err(|e| e.to_status())?;

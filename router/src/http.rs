@@ -42,6 +42,14 @@ pub struct AppState {
     pub router_metrics: RouterMetrics,
     /// Set on SIGTERM: `/ready` fails so the load balancer stops sending new requests.
     pub draining: AtomicBool,
+    /// `--log-content`: the request record carries the prompt and the generated text.
+    pub log_content: bool,
+}
+
+/// Who sent a request: its traffic class (or why it has none) and its tenant.
+pub struct Caller {
+    pub class: Result<Arc<Class>, RouterError>,
+    pub tenant: Option<String>,
 }
 
 impl AppState {
@@ -49,9 +57,11 @@ impl AppState {
         format!("req-{}-{}", std::process::id(), self.next_id.fetch_add(1, Ordering::Relaxed))
     }
 
-    /// The request's traffic class from its API key, `x-pd-class` header or metadata value.
-    pub fn class(&self, header: Option<&[u8]>, authorization: Option<&[u8]>) -> Result<Arc<Class>, RouterError> {
-        self.scheduler.classes.assign(header, authorization)
+    /// The request's traffic class from its API key, `x-pd-class` header or metadata value,
+    /// and the tenant its key belongs to.
+    pub fn caller(&self, header: Option<&[u8]>, authorization: Option<&[u8]>) -> Caller {
+        let classes = &self.scheduler.classes;
+        Caller { class: classes.assign(header, authorization), tenant: classes.tenant(authorization) }
     }
 
     /// The `validate` stage, off the async runtime (it renders and tokenizes), then the class's
@@ -59,10 +69,11 @@ impl AppState {
     pub async fn accept(
         self: &Arc<Self>,
         arrival: Arrival,
-        class: Result<Arc<Class>, RouterError>,
+        caller: Caller,
         params: Result<GenerateParams, RouterError>,
         request_id: String,
     ) -> Result<(ValidRequest, Arc<Class>, RequestRecord), RouterError> {
+        let Caller { class, tenant } = caller;
         let state = self.clone();
         let validated = match params {
             Ok(p) => tokio::task::spawn_blocking(move || {
@@ -81,11 +92,16 @@ impl AppState {
         });
         match checked {
             Ok((class, req)) => {
-                let record = arrival.into_record(self.router_metrics.clone(), request_id, label, Some(&req));
+                let mut record = arrival.into_record(self.router_metrics.clone(), request_id, label, Some(&req));
+                record.tenant = tenant;
+                if self.log_content {
+                    record.log_content(self.text.tokenizer.decode(&req.prompt_tokens, false).unwrap_or_default());
+                }
                 Ok((req, class, record))
             }
             Err(e) => {
                 let mut record = arrival.into_record(self.router_metrics.clone(), request_id, label, None);
+                record.tenant = tenant;
                 record.fail(&e);
                 Err(e)
             }
@@ -150,13 +166,13 @@ async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap
 
 async fn handle(state: Arc<AppState>, kind: Kind, headers: HeaderMap, body: Body) -> Response {
     let arrival = Arrival::new(&pd_telemetry::otel::extract_headers(&headers));
-    let class = state.class(
+    let caller = state.caller(
         headers.get(CLASS_HEADER).map(|v| v.as_bytes()),
         headers.get(header::AUTHORIZATION).map(|v| v.as_bytes()),
     );
     let params = read_body(&state, &headers, body).await.and_then(|b| request::decode(kind, &b));
     let id = state.request_id();
-    let (req, class, record) = match state.accept(arrival, class, params, id.clone()).await {
+    let (req, class, record) = match state.accept(arrival, caller, params, id.clone()).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };

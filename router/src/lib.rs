@@ -9,7 +9,7 @@
 //! - `route`: the scheduler's grant as worker clients, the decision on the route span;
 //! - `lifecycle`: the decode worker's reservation and stream, the prefill (`prefill`, with
 //!   retries), and `relay`, which merges the prefill worker's first token with the decode
-//!   worker's stream;
+//!   worker's stream, and hands the client its `updates`;
 //! - `record`: the request's root span, client-side metrics and log record; `error`: the one
 //!   error enum and its HTTP status / gRPC code mapping.
 
@@ -27,6 +27,7 @@ pub mod relay;
 pub mod route;
 pub mod schedule;
 pub mod tenants;
+pub mod updates;
 pub mod validate;
 pub mod workers;
 
@@ -64,6 +65,9 @@ pub struct Config {
     pub drain_delay: std::time::Duration,
     /// Mutual TLS to the workers (`pd_proto::tls`); None: plaintext.
     pub tls: Option<pd_proto::tls::TlsFiles>,
+    /// Put prompts and generated text in the request record and span (off: they appear in
+    /// no log line and no span).
+    pub log_content: bool,
 }
 
 /// Serves HTTP on `http` and gRPC on `grpc` until `shutdown` resolves.
@@ -97,6 +101,7 @@ pub async fn run(
         router_metrics,
         metrics,
         draining: AtomicBool::new(false),
+        log_content: config.log_content,
     });
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let drain_state = state.clone();

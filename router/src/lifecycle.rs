@@ -29,7 +29,6 @@ use pd_kv_transfer::convert::sampling_to_pb;
 use pd_proto::v1 as pb;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::ReceiverStream;
 
 use crate::classes::Class;
 use crate::error::RouterError;
@@ -38,12 +37,12 @@ use crate::record::{DecodeTimings, PrefillTimings, RequestRecord};
 use crate::relay::{decode_error, Relay, Relayed, Update};
 use crate::route::{route, Route};
 use crate::schedule::{Grant, Scheduler, Ticket};
+use crate::updates::LastWord;
 use crate::validate::ValidRequest;
 use crate::workers::Pools;
 use pd_telemetry::opentelemetry::KeyValue;
 
-/// The stream of a request's updates, as the front ends read it.
-pub type Updates = ReceiverStream<Result<Update, RouterError>>;
+pub use crate::updates::Updates;
 
 /// Decode workers a request may lose before it fails.
 pub const MIGRATION_LIMIT: u32 = 3;
@@ -218,14 +217,18 @@ pub async fn start(
         }
     };
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(RelayTask { leg, tx, record, origin, sent: Vec::new(), migrations: 0 }.run());
-    Ok(ReceiverStream::new(rx))
+    let last_word = LastWord::default();
+    let task = RelayTask { leg, tx, last_word: last_word.clone(), record, origin, sent: Vec::new(), migrations: 0 };
+    tokio::spawn(task.run());
+    Ok(Updates::new(rx, last_word))
 }
 
 /// Feeds a request's legs through their `Relay` to the client.
 struct RelayTask {
     leg: Leg,
     tx: mpsc::Sender<Result<Update, RouterError>>,
+    /// The error to end the client's stream with when it cannot be queued on `tx`.
+    last_word: LastWord,
     record: RequestRecord,
     origin: Origin,
     /// Token ids sent to the client so far (a migrated leg continues after them).
@@ -399,11 +402,24 @@ impl RelayTask {
         match relayed {
             Relayed::Skip => true,
             Relayed::Send(update) => {
-                if let Update::Token { token_id, .. } = &update {
+                if let Update::Token { token_id, text } = &update {
                     self.sent.push(*token_id);
+                    self.record.token(text);
                 }
-                self.record.token();
-                self.tx.send(Ok(update)).await.is_ok()
+                let timeout = self.origin.scheduler.config.client_send_timeout;
+                match tokio::time::timeout(timeout, self.tx.send(Ok(update))).await {
+                    Ok(sent) => sent.is_ok(),
+                    Err(_) => {
+                        let e = RouterError::ClientTooSlow(format!(
+                            "the client took no event for {} ms; the request was ended",
+                            timeout.as_millis()
+                        ));
+                        tracing::warn!(request_id = %self.record.request_id, "{e}");
+                        self.record.fail(&e);
+                        self.last_word.set(e);
+                        false
+                    }
+                }
             }
             Relayed::Finish(mut update) => {
                 self.await_prefill_record().await;

@@ -55,6 +55,14 @@ struct Args {
     /// from this router for this long, in milliseconds.
     #[arg(long, env = "PD_QUARANTINE_MS", default_value_t = 10_000)]
     quarantine_ms: u64,
+    /// A client that takes no event of its stream for this long (milliseconds) loses the
+    /// request: its decode sequence is cancelled and its KV freed.
+    #[arg(long, env = "PD_CLIENT_SEND_TIMEOUT_MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
+    client_send_timeout_ms: u64,
+    /// Write each request's prompt and generated text into its log record and root span
+    /// (by default they appear in no log line and no span).
+    #[arg(long, env = "PD_LOG_CONTENT")]
+    log_content: bool,
     /// Decode workers, host:port (DNS names are re-resolved on every request).
     #[arg(long, env = "PD_DECODE_WORKERS", value_delimiter = ',', required = true)]
     decode: Vec<String>,
@@ -113,6 +121,7 @@ async fn main() -> anyhow::Result<()> {
             step_budget: args.prefill_step_tokens,
             prefix_weight: args.prefix_weight,
             quarantine: std::time::Duration::from_millis(args.quarantine_ms),
+            client_send_timeout: std::time::Duration::from_millis(args.client_send_timeout_ms),
         },
         limits: pd_router::Limits {
             max_tokens: args.max_tokens,
@@ -123,6 +132,7 @@ async fn main() -> anyhow::Result<()> {
         drain_delay: std::time::Duration::from_millis(args.drain_delay_ms),
         tls: pd_proto::tls::TlsFiles::from_flags(args.tls_cert.clone(), args.tls_key.clone(), args.tls_ca.clone())
             .map_err(anyhow::Error::msg)?,
+        log_content: args.log_content,
     };
     if args.check_config {
         println!("pd-router config ok: {config:?}");

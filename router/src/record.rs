@@ -102,6 +102,10 @@ pub struct RequestRecord {
     gaps_ms: Vec<f64>,
     output_tokens: u32,
     ended: bool,
+    /// The tenant whose API key the request carried.
+    pub tenant: Option<String>,
+    /// `--log-content` only: the prompt as rendered and the text sent so far.
+    content: Option<(String, String)>,
 }
 
 use pd_telemetry::percentile;
@@ -141,6 +145,8 @@ impl RequestRecord {
             gaps_ms: Vec::new(),
             output_tokens: 0,
             ended: false,
+            tenant: None,
+            content: None,
         }
     }
 
@@ -157,8 +163,16 @@ impl RequestRecord {
         &self.class
     }
 
-    /// A token was handed to the client's stream now.
-    pub fn token(&mut self) {
+    /// Keep the prompt (and from now on the text sent) for the record (`--log-content`).
+    pub fn log_content(&mut self, prompt: String) {
+        self.content = Some((prompt, String::new()));
+    }
+
+    /// A token with `text` was handed to the client's stream now.
+    pub fn token(&mut self, text: &str) {
+        if let Some((_, sent)) = &mut self.content {
+            sent.push_str(text);
+        }
         let now = Instant::now();
         match self.last_token {
             None => {
@@ -225,10 +239,19 @@ impl RequestRecord {
         if let Some(t) = ttft_ms {
             self.root.set("pd.ttft_ms", t);
         }
+        if let Some(tenant) = &self.tenant {
+            self.root.set("pd.tenant", tenant.clone());
+        }
+        let (prompt, completion) = self.content.take().unzip();
+        if let (Some(prompt), Some(completion)) = (&prompt, &completion) {
+            self.root.set("pd.prompt", prompt.clone());
+            self.root.set("pd.completion", completion.clone());
+        }
         tracing::info!(
             target: "pd_request",
             request_id = %self.request_id,
             class = self.class.as_str(),
+            tenant = self.tenant.as_deref(),
             input_tokens = self.input_tokens,
             output_tokens = self.output_tokens,
             queue_ms = p.map(|p| p.queue_ms),
@@ -251,6 +274,8 @@ impl RequestRecord {
             finish_reason,
             error = error.map(|e| e.to_string()),
             trace_id = Some(self.root.trace_id()).filter(|t| !t.is_empty()),
+            prompt,
+            completion,
             "request finished"
         );
         self.root.event("request.end", vec![KeyValue::new("pd.outcome", outcome.to_string())]);

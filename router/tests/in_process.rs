@@ -140,6 +140,7 @@ async fn no_reachable_worker_is_503_and_not_ready() {
             body_limit: 1 << 20,
             drain_delay: Duration::ZERO,
             tls: None,
+            log_content: false,
         };
         tokio::spawn(pd_router::run(config, http, grpc, std::future::pending()));
         format!("http://{addr}")
@@ -174,6 +175,53 @@ async fn a_client_that_leaves_mid_stream_cancels_the_decode_stream() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(decode.cancelled.load(Ordering::SeqCst), 1, "the decode worker saw its stream closed");
+}
+
+#[tokio::test]
+async fn a_client_that_stops_reading_loses_the_request_after_the_send_timeout() {
+    let commits = Commits::default();
+    let mut decode = FakeDecode::new(100, &commits);
+    (decode.cycle, decode.token_delay) = (true, Duration::from_millis(3));
+    let prefill = FakePrefill::new(&commits);
+    let (p, d) = (serve_prefill(prefill).await, serve_decode(decode.clone()).await);
+    let router = start_router_config(vec![p], vec![d], |c| {
+        c.schedule.client_send_timeout = Duration::from_millis(300);
+    })
+    .await;
+    // A 1 KiB HTTP/2 stream window that the client never reopens: the router can hand it
+    // only a few tokens, then its relay waits on the client.
+    let channel = tonic::transport::Endpoint::from_shared(router.grpc.clone())
+        .expect("endpoint")
+        .initial_stream_window_size(1024)
+        .connect()
+        .await
+        .expect("connect");
+    let mut client = pb::generation_client::GenerationClient::new(channel);
+    let request = pb::GenerateRequest {
+        prompt: "Hi".into(),
+        sampling: Some(pb::SamplingParams { max_tokens: 1000, ..Default::default() }),
+        ..Default::default()
+    };
+    let mut stream = client.generate(request).await.expect("accepted").into_inner();
+    // Without the timeout the decode stream would wait on this client for good.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while decode.cancelled.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(decode.cancelled.load(Ordering::SeqCst), 1, "the decode stream was cancelled, not left waiting");
+    // Reading now: what was queued, then the reason (never a success).
+    let mut tokens = 0;
+    let end = loop {
+        match stream.message().await {
+            Ok(Some(pb::GenerateResponse { message: Some(pb::generate_response::Message::Token(_)) })) => tokens += 1,
+            Ok(Some(other)) => panic!("no end was earned: {other:?}"),
+            Ok(None) => panic!("the stream closed silently after {tokens} tokens"),
+            Err(status) => break status,
+        }
+    };
+    assert!(tokens < 1000, "{tokens}");
+    assert_eq!(end.code(), tonic::Code::DeadlineExceeded, "{end:?}");
+    assert!(end.message().contains("took no event for 300 ms"), "{end:?}");
 }
 
 #[tokio::test]

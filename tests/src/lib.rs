@@ -19,7 +19,9 @@ pub fn model_path() -> PathBuf {
     path
 }
 
+pub mod certs;
 pub mod netns;
+pub mod proxy;
 
 /// The path of pd binary `name` in the test's target directory.
 pub fn binary(name: &str) -> PathBuf {

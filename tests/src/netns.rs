@@ -1,7 +1,7 @@
 //! Linux network namespaces for fault tests: a hub namespace holding a bridge, one namespace
 //! per node (a pd process, or the test's client) joined to the bridge by a veth pair, with
 //! addresses 10.201.S.x/24 that exist only inside these namespaces. A node's link can be set
-//! down and up (a partition); a thread can enter a node's namespace (its sockets then live
+//! down and up (a partition) or rate-limited with `tbf`; a thread can enter a node's namespace (its sockets then live
 //! there). Everything is removed when the `Net` is dropped. Needs root and iproute2; `create`
 //! says why when it cannot.
 
@@ -73,6 +73,22 @@ impl Net {
     pub fn link(&self, node: &str, up: bool) {
         let veth = format!("v{}", self.index(node));
         ip(&["-n", &self.hub(), "link", "set", &veth, if up { "up" } else { "down" }]).expect("link state");
+    }
+
+    /// Limits traffic toward `node` to `rate` (a tc rate such as "2mbit") with a token bucket
+    /// on the bridge's side of its link, or lifts the limit (`None`).
+    pub fn throttle(&self, node: &str, rate: Option<&str>) {
+        let veth = format!("v{}", self.index(node));
+        let hub = self.hub();
+        let mut args = vec!["netns", "exec", &hub, "tc", "qdisc"];
+        match rate {
+            Some(rate) => {
+                args.extend(["replace", "dev", &veth, "root", "tbf", "rate", rate, "burst", "16kb", "latency", "400ms"])
+            }
+            None => args.extend(["del", "dev", &veth, "root"]),
+        }
+        let out = Command::new("ip").args(&args).output().expect("running ip netns exec tc");
+        assert!(out.status.success(), "{}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
     }
 
     /// A command that runs `program` inside `node`'s namespace.

@@ -2,7 +2,10 @@
 //! namespace joined to a bridge (the test's client in another), serve a bounded loop of
 //! greedy and seeded requests while faults are injected at points drawn from a fixed seed:
 //! SIGKILL of a worker (restarted under the same address a second later), SIGSTOP/SIGCONT,
-//! and a partition (the worker's link down, then up). After each fault every request either
+//! a partition (a worker's or the router's link down, then up), a rate-limited link (`tbf`),
+//! and delay, a stall past the KV timeout, and reset connections on the KV path (each decode
+//! worker advertises a user-space fault proxy in the client's namespace as its KV endpoint,
+//! so every prefill -> decode transfer passes through it). After each fault every request either
 //! completed with exactly the tokens of an undisturbed run or ended with a typed error, within
 //! its deadline; once the load stops every KV block on every worker is free. The matrix of
 //! faults x outcomes is printed. `PD_CHAOS_FAULTS` sets the number of faults (default 8;
@@ -14,11 +17,14 @@ use std::time::{Duration, Instant};
 
 use pd_proto::v1 as pb;
 use pd_tests::netns::Net;
+use pd_tests::proxy::{FaultProxy, Mode};
 use pd_tests::{binary, model_path, spawn_command, Proc};
 
 const NODES: [&str; 6] = ["client", "router", "p0", "p1", "d0", "d1"];
 const WORKERS: [&str; 4] = ["p0", "p1", "d0", "d1"];
 const PORT: u16 = 7100;
+/// The fault proxy in front of decode worker i listens on the client's address, this + i.
+const PROXY_PORT: u16 = 7200;
 const REQUESTS_PER_FAULT: usize = 3;
 const MAX_TOKENS: u32 = 40;
 /// A request that takes longer than this hangs.
@@ -52,6 +58,24 @@ enum Fault {
     Kill,
     StopCont,
     Partition,
+    Throttle,
+    KvDelay,
+    KvStall,
+    KvCut,
+}
+
+const FAULTS: [Fault; 7] =
+    [Fault::Kill, Fault::StopCont, Fault::Partition, Fault::Throttle, Fault::KvDelay, Fault::KvStall, Fault::KvCut];
+
+impl Fault {
+    /// The nodes this fault can hit.
+    fn targets(self) -> &'static [&'static str] {
+        match self {
+            Fault::Kill | Fault::StopCont => &WORKERS,
+            Fault::Partition | Fault::Throttle => &["router", "p0", "p1", "d0", "d1"],
+            Fault::KvDelay | Fault::KvStall | Fault::KvCut => &["d0", "d1"],
+        }
+    }
 }
 
 /// The cluster, one process per namespace.
@@ -67,6 +91,11 @@ impl Chaos {
         format!("{}:{PORT}", self.net.addr(node))
     }
 
+    /// The KV endpoint decode worker `node` advertises: its fault proxy.
+    fn proxy_addr(&self, node: &str) -> String {
+        format!("{}:{}", self.net.addr("client"), PROXY_PORT + u16::from(node == "d1"))
+    }
+
     fn start_worker(&mut self, node: &'static str) {
         let model = model_path();
         let (bin, prefix) = if node.starts_with('d') {
@@ -77,7 +106,7 @@ impl Chaos {
         let mut c = self.net.command(node, &binary(bin));
         c.args(["--listen", &self.addr(node), "--metrics-listen", "127.0.0.1:0", "--model"]).arg(&model);
         if node.starts_with('d') {
-            c.args(["--kv-blocks", "512", "--grace-ms", "0"]);
+            c.args(["--kv-blocks", "512", "--grace-ms", "0", "--advertise", &self.proxy_addr(node)]);
         }
         let n = self.procs.len();
         let log = self.logs.path().join(format!("{node}-{n}.log"));
@@ -246,6 +275,14 @@ fn unsafe_geteuid() -> u32 {
 
 async fn run(chaos: &mut Chaos, faults: usize, seed: u64) -> Result<(), String> {
     let grpc = format!("{}:8081", chaos.net.addr("router"));
+    let mut proxies = BTreeMap::new();
+    for node in ["d0", "d1"] {
+        let upstream = chaos.addr(node).parse().map_err(|e| format!("{node}'s address: {e}"))?;
+        let proxy = FaultProxy::start(&chaos.proxy_addr(node), upstream)
+            .await
+            .map_err(|e| format!("the fault proxy for {node}: {e}"))?;
+        proxies.insert(node, proxy);
+    }
     // The router is ready once it answers a request; every prompt's undisturbed tokens.
     let ready = Instant::now() + Duration::from_secs(60);
     let mut expected = Vec::new();
@@ -266,16 +303,25 @@ async fn run(chaos: &mut Chaos, faults: usize, seed: u64) -> Result<(), String> 
     }
     let mut rng = Rng(seed);
     let mut matrix: BTreeMap<(Fault, Outcome), usize> = BTreeMap::new();
+    // The longest request under each fault: how much the fault got in the way.
+    let mut slowest: BTreeMap<Fault, Duration> = BTreeMap::new();
     let mut problems = Vec::new();
     let mut injected = Vec::new();
     for round in 0..faults {
-        let fault = [Fault::Kill, Fault::StopCont, Fault::Partition][rng.below(3) as usize];
-        let node = WORKERS[rng.below(4) as usize];
+        let fault = FAULTS[rng.below(FAULTS.len() as u64) as usize];
+        let node = fault.targets()[rng.below(fault.targets().len() as u64) as usize];
         let at = Duration::from_millis(100 + rng.below(600));
         let picks: Vec<usize> = (0..REQUESTS_PER_FAULT).map(|_| rng.below(expected.len() as u64) as usize).collect();
         let tasks: Vec<_> = picks
             .iter()
-            .map(|&k| tokio::spawn(judged(grpc.clone(), expected[k].0.clone(), expected[k].1.clone())))
+            .map(|&k| {
+                let (grpc, req, tokens) = (grpc.clone(), expected[k].0.clone(), expected[k].1.clone());
+                tokio::spawn(async move {
+                    let started = Instant::now();
+                    let judged = judged(grpc, req, tokens).await;
+                    (judged, started.elapsed())
+                })
+            })
             .collect();
         tokio::time::sleep(at).await;
         injected.push(format!("{fault:?} {node} at {} ms", at.as_millis()));
@@ -295,9 +341,34 @@ async fn run(chaos: &mut Chaos, faults: usize, seed: u64) -> Result<(), String> 
                 tokio::time::sleep(Duration::from_millis(1500)).await;
                 chaos.net.link(node, true);
             }
+            Fault::Throttle => {
+                chaos.net.throttle(node, Some("1mbit"));
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                chaos.net.throttle(node, None);
+            }
+            Fault::KvDelay => {
+                proxies[node].set(Mode::Delay(Duration::from_millis(100)));
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                proxies[node].set(Mode::Pass);
+            }
+            Fault::KvStall => {
+                // Longer than the prefill worker's KV timeout (5 s): the transfer must fail
+                // cleanly and the request be retried or end with a typed error.
+                proxies[node].set(Mode::Stall);
+                tokio::time::sleep(Duration::from_secs(6)).await;
+                proxies[node].set(Mode::Pass);
+            }
+            Fault::KvCut => {
+                for _ in 0..15 {
+                    proxies[node].cut();
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
         }
         for task in tasks {
-            let (outcome, detail) = task.await.map_err(|e| e.to_string())?;
+            let ((outcome, detail), took) = task.await.map_err(|e| e.to_string())?;
+            let slowest = slowest.entry(fault).or_insert(Duration::ZERO);
+            *slowest = (*slowest).max(took);
             if matches!(outcome, Outcome::Wrong | Outcome::Hang) {
                 problems.push(format!("round {round} ({fault:?} {node}): {outcome:?}: {detail}"));
             }
@@ -308,16 +379,22 @@ async fn run(chaos: &mut Chaos, faults: usize, seed: u64) -> Result<(), String> 
     }
     let idle = wait_idle(chaos).await;
     println!("chaos matrix ({faults} faults, seed {seed}, {REQUESTS_PER_FAULT} requests each):");
-    println!("| fault | identical | typed error | wrong | hang |");
-    println!("|---|---|---|---|---|");
-    for fault in [Fault::Kill, Fault::StopCont, Fault::Partition] {
+    println!("| fault | identical | typed error | wrong | hang | slowest request |");
+    println!("|---|---|---|---|---|---|");
+    for fault in FAULTS {
         let n = |o: Outcome| matrix.get(&(fault, o)).copied().unwrap_or(0);
         let row = [Outcome::Identical, Outcome::TypedError, Outcome::Wrong, Outcome::Hang].map(n);
-        println!("| {fault:?} | {} | {} | {} | {} |", row[0], row[1], row[2], row[3]);
+        let slow = slowest.get(&fault).map_or("-".to_string(), |d| format!("{:.1} s", d.as_secs_f64()));
+        println!("| {fault:?} | {} | {} | {} | {} | {slow} |", row[0], row[1], row[2], row[3]);
     }
     println!("blocks held after the load: {}", if idle.is_ok() { "none" } else { "some (see below)" });
     println!("faults: {}", injected.join(", "));
+    let through: Vec<usize> = proxies.values().map(FaultProxy::accepted).collect();
+    println!("KV connections through the fault proxies (d0, d1): {through:?}");
     idle?;
+    if through.iter().sum::<usize>() == 0 {
+        problems.push("no KV transfer went through the fault proxies".into());
+    }
     if problems.is_empty() {
         Ok(())
     } else {

@@ -3,7 +3,9 @@
 //! container's args and environment are accepted by that binary's own flag parser
 //! (`--check-config`); probe paths are served by the running binary on the port the probe
 //! names; the router's worker lists name the headless services of the worker pools; and the
-//! metrics the autoscalers query are ones the binaries export.
+//! metrics the autoscalers query are ones the binaries export; where internal TLS is on
+//! (overlays/gpu), every pd container reads its three PEM files from a mounted secret that a
+//! cert-manager Certificate for the name the binaries verify (`pd.internal`) fills.
 //!
 //! Needs kubectl and kubernetes-validate (scripts/install-k8s-tools.sh).
 
@@ -156,6 +158,59 @@ fn resolve_port(container: &Value, port: &Value) -> u16 {
     }
 }
 
+/// `value` with a path under the TLS secret's mount moved to `dir`.
+fn secret_path(value: &str, dir: &Path) -> String {
+    match value.strip_prefix("/etc/pd/tls/") {
+        Some(file) => dir.join(file).display().to_string(),
+        None => value.to_string(),
+    }
+}
+
+/// Whether `c` uses internal TLS; if it does, its PEM files come from a mounted secret that
+/// a cert-manager Certificate for `pd.internal` (server and client use) fills.
+fn check_tls(objects: &[Value], c: &PdContainer, overlay: &str) -> bool {
+    let what = format!("{overlay}/{}", c.deployment);
+    let vars = ["PD_TLS_CERT", "PD_TLS_KEY", "PD_TLS_CA"];
+    let set: Vec<&str> = vars.iter().filter_map(|v| c.env.get(*v).map(String::as_str)).collect();
+    if set.is_empty() {
+        return false;
+    }
+    assert_eq!(set.len(), 3, "{what}: all of {vars:?} or none");
+    for (var, path) in vars.iter().zip(&set) {
+        let mount = c.container["volumeMounts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|m| m["mountPath"].as_str().is_some_and(|p| path.starts_with(&format!("{p}/"))))
+            .unwrap_or_else(|| panic!("{what}: {var}={path} is on no mounted volume"));
+        let volume = c.pod["volumes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|v| v["name"] == mount["name"])
+            .unwrap_or_else(|| panic!("{what}: no volume {}", mount["name"]));
+        let secret =
+            volume["secret"]["secretName"].as_str().unwrap_or_else(|| panic!("{what}: {var} not from a secret"));
+        let file = path.rsplit('/').next().unwrap_or_default();
+        assert!(["tls.crt", "tls.key", "ca.crt"].contains(&file), "{what}: {file} is not a cert-manager secret key");
+        let cert = objects
+            .iter()
+            .find(|o| o["kind"] == "Certificate" && o["spec"]["secretName"] == secret)
+            .unwrap_or_else(|| panic!("{what}: no Certificate fills secret {secret}"));
+        assert!(
+            cert["spec"]["dnsNames"].as_array().into_iter().flatten().any(|n| n == pd_proto::tls::SERVER_NAME),
+            "{what}: the certificate must name {}",
+            pd_proto::tls::SERVER_NAME
+        );
+        for usage in ["server auth", "client auth"] {
+            assert!(cert["spec"]["usages"].as_array().into_iter().flatten().any(|u| u == usage), "{what}: {usage}");
+        }
+        let issuer = cert["spec"]["issuerRef"]["name"].as_str().expect("issuer");
+        assert!(objects.iter().any(|o| o["kind"] == "Issuer" && o["metadata"]["name"] == issuer), "{what}: {issuer}");
+    }
+    true
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn manifests_agree_with_the_binaries() {
     // The real binaries, for the paths and metrics they serve.
@@ -170,6 +225,12 @@ async fn manifests_agree_with_the_binaries() {
         exported.insert(bin, Cluster::scrape(addr).await);
     }
 
+    // The secret cert-manager would mount, made here: --check-config reads the PEM files.
+    let secret = tempfile::tempdir().expect("folder");
+    pd_tests::certs::make_certs(secret.path(), "tls");
+    for (from, to) in [("tls.pem", "tls.crt"), ("tls-ca.pem", "ca.crt")] {
+        std::fs::copy(secret.path().join(from), secret.path().join(to)).expect("copy");
+    }
     for overlay in OVERLAYS {
         let objects = render(overlay);
         let containers = pd_containers(&objects);
@@ -180,7 +241,7 @@ async fn manifests_agree_with_the_binaries() {
                 .args(&c.args)
                 .arg("--check-config")
                 .env_clear()
-                .envs(&c.env)
+                .envs(c.env.iter().map(|(k, v)| (k, secret_path(v, secret.path()))))
                 .stdin(Stdio::null())
                 .output()
                 .expect("run binary");
@@ -231,7 +292,13 @@ async fn manifests_agree_with_the_binaries() {
                 "{what}: terminationGracePeriodSeconds {period} < preStop {pre_stop} s + drain {drain_ms} ms"
             );
         }
-        // 4. The router's worker lists name the headless services of the pools, on the port
+        // 4. Internal TLS: on in the production overlay, all or nothing per container.
+        let tls = containers.iter().filter(|c| check_tls(&objects, c, overlay)).count();
+        assert!(tls == 0 || tls == containers.len(), "{overlay}: TLS on some pd containers only");
+        if overlay == "gpu" {
+            assert_eq!(tls, containers.len(), "{overlay}: internal links must use mutual TLS");
+        }
+        // 5. The router's worker lists name the headless services of the pools, on the port
         //    the workers listen on, selecting the workers' pods.
         let router = containers.iter().find(|c| c.binary == "pd-router").expect("router");
         for (var, pool) in [("PD_PREFILL_WORKERS", "pd-prefill"), ("PD_DECODE_WORKERS", "pd-decode")] {
@@ -255,7 +322,7 @@ async fn manifests_agree_with_the_binaries() {
                 assert_eq!(&labels[k], v, "{overlay}: {host} selects the {pool} pods");
             }
         }
-        // 5. Autoscalers: one per pool, on metrics that pool's binary exports.
+        // 6. Autoscalers: one per pool, on metrics that pool's binary exports.
         let scaled: Vec<&Value> = objects.iter().filter(|o| o["kind"] == "ScaledObject").collect();
         assert_eq!(scaled.len(), 3, "{overlay}: a ScaledObject per pool");
         for so in scaled {

@@ -360,3 +360,37 @@ async fn without_an_endpoint_nothing_exports() {
         assert!(log.contains("request finished") || name != "pd-router", "the router logs its record:\n{log}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_log_content_the_record_carries_prompt_answer_and_tenant() {
+    let dir = tempfile::tempdir().expect("folder");
+    let classes = dir.path().join("classes.toml");
+    let built_in = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/classes/default.toml"))
+        .expect("the built-in classes");
+    std::fs::write(&classes, format!("{built_in}\n[tenants.acme]\napi_keys = [\"k-acme\"]\n")).expect("write");
+    let mut router_args: Vec<String> = ["--log-format", "json", "--log-content", "--classes"].map(String::from).into();
+    router_args.push(classes.display().to_string());
+    let options = Options { prefill: 1, capture_logs: true, router_args, ..Options::default() };
+    let cluster = Cluster::start_with(options).await;
+    let prompt = "The capital of France is";
+    let body: Value = reqwest::Client::new()
+        .post(cluster.url("/v1/completions"))
+        .bearer_auth("k-acme")
+        .json(&json!({ "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 4, "temperature": 0 }))
+        .send()
+        .await
+        .expect("request")
+        .json()
+        .await
+        .expect("JSON");
+    let answer = body["choices"][0]["text"].as_str().expect("text").to_string();
+    let log = cluster.log("pd-router");
+    let record = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["message"] == "request finished")
+        .unwrap_or_else(|| panic!("no record in:\n{log}"));
+    assert_eq!(record["tenant"], "acme", "{record}");
+    assert!(record["prompt"].as_str().is_some_and(|p| p.contains(prompt)), "{record}");
+    assert_eq!(record["completion"].as_str(), Some(answer.as_str()), "{record}");
+}

@@ -3,6 +3,7 @@
 //!   pd-bench run --url URL --scenario FILE --out DIR [--label NAME]
 //!   pd-bench matrix --url URL --out DIR [--inputs 128,512,2048 --outputs 32,128,512 --concurrency 1,4,16]
 //!   pd-bench compare --out DIR --class interactive RUN_DIR...
+//!   pd-bench hostile --url URL --out FILE [--idle 500 --slow 20 --duration-s 60]
 //!
 //! Prompts are built to exact token counts with the model's tokenizer (`--model`).
 
@@ -99,6 +100,24 @@ enum Command {
         header: String,
         runs: Vec<PathBuf>,
     },
+    /// Idle connections, slow readers and a /health probe every 100 ms for a while (run it
+    /// beside `run`); writes a JSON report.
+    Hostile {
+        #[command(flatten)]
+        server: Server,
+        #[arg(long)]
+        out: PathBuf,
+        /// Connections opened and left silent.
+        #[arg(long, default_value_t = 500)]
+        idle: usize,
+        /// Streaming requests read one byte per second.
+        #[arg(long, default_value_t = 20)]
+        slow: usize,
+        #[arg(long, default_value_t = 256)]
+        slow_tokens: u32,
+        #[arg(long, default_value_t = 60.0)]
+        duration_s: f64,
+    },
 }
 
 fn target(s: &Server) -> Target {
@@ -157,6 +176,26 @@ async fn main() -> anyhow::Result<()> {
             }
             std::fs::write(out.join("matrix.md"), &all)?;
             println!("{all}");
+        }
+        Command::Hostile { server, out, idle, slow, slow_tokens, duration_s } => {
+            let url = server.url.trim_start_matches("http://").trim_end_matches('/');
+            let addr = tokio::net::lookup_host(url)
+                .await
+                .with_context(|| format!("resolving {url}"))?
+                .next()
+                .with_context(|| format!("no address for {url}"))?;
+            let hostile = pd_bench::loadgen::hostile::Hostile {
+                addr,
+                model: server.model_name.clone(),
+                idle,
+                slow,
+                slow_tokens,
+                duration: Duration::from_secs_f64(duration_s),
+            };
+            let report = pd_bench::loadgen::hostile::run(&hostile).await;
+            let json = serde_json::to_string_pretty(&report)?;
+            std::fs::write(&out, &json).with_context(|| format!("writing {}", out.display()))?;
+            println!("{json}");
         }
         Command::Compare { out, class, with_variant, without_variant, header, runs } => {
             let runs: Vec<Run> =

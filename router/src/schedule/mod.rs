@@ -48,6 +48,10 @@ pub struct ScheduleConfig {
     pub prefix_weight: f64,
     /// How long a decode worker that lost a stream is passed over (this router only).
     pub quarantine: Duration,
+    /// How long the relay waits for a client to take its next event before the request ends
+    /// (its decode sequence is cancelled and its KV freed): a reader that stopped reading
+    /// holds nothing on a worker past this.
+    pub client_send_timeout: Duration,
 }
 
 impl Default for ScheduleConfig {
@@ -64,6 +68,7 @@ impl Default for ScheduleConfig {
             step_budget: 256,
             prefix_weight: 2.0,
             quarantine: Duration::from_secs(10),
+            client_send_timeout: Duration::from_secs(30),
         }
     }
 }

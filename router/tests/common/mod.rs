@@ -45,6 +45,8 @@ pub struct FakeDecode {
     pub token_delay: Duration,
     /// Ends the stream with this status after the first token, if set.
     pub fail_after_first: Option<tonic::Code>,
+    /// Streams `max_tokens` tokens (cycling through `TOKENS`) instead of at most `TOKENS`.
+    pub cycle: bool,
 }
 
 impl FakeDecode {
@@ -57,6 +59,7 @@ impl FakeDecode {
             cancelled: Arc::default(),
             token_delay: Duration::from_millis(5),
             fail_after_first: None,
+            cycle: false,
         }
     }
 }
@@ -68,7 +71,8 @@ fn token(id: u32, text: &str) -> Result<pb::DecodeEvent, Status> {
 
 impl FakeDecode {
     async fn stream(self, req: pb::DecodeRequest, tx: mpsc::Sender<Result<pb::DecodeEvent, Status>>) {
-        let n = req.sampling.map_or(1, |s| s.max_tokens as usize).min(TOKENS.len());
+        let asked = req.sampling.map_or(1, |s| s.max_tokens as usize);
+        let n = if self.cycle { asked } else { asked.min(TOKENS.len()) };
         let first = if req.prefill_here {
             TOKENS[0].0
         } else {
@@ -92,7 +96,7 @@ impl FakeDecode {
             }
         };
         let mut sent = vec![(first, TOKENS.iter().find(|t| t.0 == first).map_or("?", |t| t.1))];
-        sent.extend(TOKENS[1..n].iter().copied());
+        sent.extend((1..n).map(|i| TOKENS[1 + (i - 1) % (TOKENS.len() - 1)]));
         for (i, (id, text)) in sent.iter().enumerate() {
             if i > 0 {
                 tokio::select! {
@@ -243,18 +247,29 @@ pub async fn start_router_with(
     decode: Vec<String>,
     classes: pd_router::classes::Classes,
 ) -> Router {
-    let config = pd_router::Config {
+    start_router_config(prefill, decode, |c| c.classes = classes).await
+}
+
+/// A router with the test defaults as changed by `change`.
+pub async fn start_router_config(
+    prefill: Vec<String>,
+    decode: Vec<String>,
+    change: impl FnOnce(&mut pd_router::Config),
+) -> Router {
+    let mut config = pd_router::Config {
         model: model_path(),
         model_name: "SmolLM2-135M-Instruct".into(),
         prefill_workers: prefill,
         decode_workers: decode,
-        classes,
+        classes: pd_router::classes::Classes::load(None).expect("classes"),
         schedule: pd_router::schedule::ScheduleConfig::default(),
         limits: pd_router::Limits { max_tokens: 4096, default_completion_tokens: 16, default_chat_tokens: 512 },
         body_limit: 1 << 20,
         drain_delay: Duration::ZERO,
         tls: None,
+        log_content: false,
     };
+    change(&mut config);
     let http = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let grpc = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let (http_addr, grpc_addr) = (http.local_addr().expect("addr"), grpc.local_addr().expect("addr"));
