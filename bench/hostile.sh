@@ -76,6 +76,7 @@ done
     echo
     echo '```json'
     cat "$out/hostile.json"
+    echo
     echo '```'
     echo
     echo "## Admitted and refused requests under overload"
