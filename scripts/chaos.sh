@@ -7,4 +7,4 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 faults="${1:-60}"
 seed="${2:-$(date +%s)}"
 cargo build --release --quiet --workspace --bins --features pd-kv-transfer/ucx
-PD_CHAOS_FAULTS="$faults" PD_CHAOS_SEED="$seed" cargo test --release --quiet -p pd-tests --test chaos -- --nocapture
+PD_CHAOS_FAULTS="$faults" PD_CHAOS_SEED="$seed" cargo test --release --quiet --workspace --features pd-kv-transfer/ucx --test chaos -- --nocapture

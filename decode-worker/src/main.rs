@@ -21,7 +21,7 @@ struct Args {
     /// GGUF file or Hugging Face folder.
     #[arg(long, env = "PD_MODEL", default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
     model: PathBuf,
-    /// Weights in memory: f16, f32, q8 or stored.
+    /// Weights in memory: f16, f32, q8, stored or wq (the file's Q4_1/Q8_0 values, f32 activations).
     #[arg(long, default_value = "f16")]
     weights: WeightFormat,
     /// Turn off the prefix cache (every prompt computed and shipped from its first token).

@@ -137,6 +137,11 @@ pub enum WeightFormat {
     Q8,
     /// Keep weights exactly as stored (llama.cpp-style numerics; Q4_1 has no SIMD kernel on x86).
     Stored,
+    /// Weight-only quantized: Q4_1 and Q8_0 tensors keep the file's own values (repacked
+    /// losslessly to 8-bit lanes with f32 scales, 1.25 bytes per weight) and are widened to
+    /// f32 in registers; activations stay f32 (`matmul_wq`). Tensors in other formats fall
+    /// back to F16. CPU only; on other devices it falls back to F32.
+    Wq,
 }
 
 impl std::str::FromStr for WeightFormat {
@@ -148,7 +153,10 @@ impl std::str::FromStr for WeightFormat {
             "f16" => Ok(WeightFormat::F16),
             "q8" => Ok(WeightFormat::Q8),
             "stored" => Ok(WeightFormat::Stored),
-            other => Err(EngineError::Config(format!("weight format `{other}` is not one of f32, f16, q8, stored"))),
+            "wq" => Ok(WeightFormat::Wq),
+            other => {
+                Err(EngineError::Config(format!("weight format `{other}` is not one of f32, f16, q8, stored, wq")))
+            }
         }
     }
 }

@@ -14,6 +14,7 @@ pub mod error;
 pub mod kv;
 pub mod loader;
 mod matmul;
+mod matmul_wq;
 pub mod model;
 pub mod sampling;
 pub mod tokenizer;

@@ -15,13 +15,18 @@ use crate::error::{EngineError, Result};
 use crate::kv::cache::{KvCache, SequenceKv};
 use crate::loader::{RawTensor, TensorSource};
 use crate::matmul::small_m_matmul;
+use crate::matmul_wq::WqWeight;
 
 /// A projection `x @ W^T`; dense weights are `[out, in]`, f32 or f16 (f16 is widened to f32
 /// for the arithmetic in both paths, so both give the same numbers up to summation order).
 #[derive(Debug)]
 enum Linear {
-    Dense { weight: Tensor },
+    Dense {
+        weight: Tensor,
+    },
     Quant(QMatMul),
+    /// Weight-only quantized, f32 activations (`WeightFormat::Wq`, CPU).
+    Wq(WqWeight),
 }
 
 /// Up to this many rows a dense projection on CPU uses the small-batch kernel (weights read
@@ -39,6 +44,13 @@ impl Linear {
                 }
             }
             Linear::Quant(q) => q.forward(x)?,
+            Linear::Wq(w) => {
+                if x.dim(0)? <= SMALL_BATCH_ROWS {
+                    w.matmul(x)?
+                } else {
+                    x.matmul(&w.dequantize(x.device())?.t()?)?
+                }
+            }
         })
     }
 }
@@ -311,6 +323,15 @@ fn linear(parts: Vec<RawTensor>, format: WeightFormat, device: &Device) -> Resul
         (format, all_quant_dtype),
         (WeightFormat::Stored, Some(_)) | (WeightFormat::Q8, Some(GgmlDType::Q8_0))
     );
+    let repackable = parts.iter().map(|p| match p {
+        RawTensor::Quant(q) if crate::matmul_wq::supported(q.dtype()) => Some(q),
+        _ => None,
+    });
+    if let (WeightFormat::Wq, Device::Cpu, Some(q)) = (format, device, repackable.collect::<Option<Vec<_>>>()) {
+        if k.is_multiple_of(crate::matmul_wq::QK) {
+            return Ok(Linear::Wq(WqWeight::from_parts(&q)?));
+        }
+    }
     if keep_stored {
         let dtype = all_quant_dtype.unwrap_or(GgmlDType::Q8_0);
         let rows: usize = parts.iter().map(|p| p.dims()[0]).sum();
@@ -329,7 +350,9 @@ fn linear(parts: Vec<RawTensor>, format: WeightFormat, device: &Device) -> Resul
         WeightFormat::Q8 if k.is_multiple_of(Q8_0_BLOCK) => {
             Ok(Linear::Quant(QMatMul::from_qtensor(QTensor::quantize(&dense, GgmlDType::Q8_0)?)?))
         }
-        WeightFormat::F16 if matches!(device, Device::Cpu) => Ok(Linear::Dense { weight: dense.to_dtype(DType::F16)? }),
+        WeightFormat::F16 | WeightFormat::Wq if matches!(device, Device::Cpu) => {
+            Ok(Linear::Dense { weight: dense.to_dtype(DType::F16)? })
+        }
         _ => Ok(Linear::Dense { weight: dense }),
     }
 }

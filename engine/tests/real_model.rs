@@ -73,7 +73,7 @@ fn chat_template_renders_chatml_with_default_system_prompt() {
 
 #[test]
 fn answers_the_capital_of_france() {
-    for weights in [WeightFormat::F16, WeightFormat::F32] {
+    for weights in [WeightFormat::F16, WeightFormat::F32, WeightFormat::Wq] {
         let engine = engine(weights);
         let prompt = chat(&engine, "What is the capital of France?");
         let generation = engine.generate(&prompt, &SamplingParams::greedy(48), 512, |_| {}).expect("generate");
@@ -114,7 +114,13 @@ fn kv_handoff_keeps_greedy_tokens_identical() {
 
 #[test]
 fn batched_decode_equals_each_sequence_alone() {
-    let engine = engine(WeightFormat::F16);
+    for weights in [WeightFormat::F16, WeightFormat::Wq] {
+        batched_equals_alone(weights);
+    }
+}
+
+fn batched_equals_alone(weights: WeightFormat) {
+    let engine = engine(weights);
     let steps = 16;
     let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|q| chat(&engine, q)).collect();
     let alone: Vec<Vec<u32>> = prompts
@@ -149,7 +155,7 @@ fn batched_decode_equals_each_sequence_alone() {
     }
     let lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
     assert!(lengths.windows(2).all(|w| w[0] != w[1]), "prompt lengths differ: {lengths:?}");
-    assert_eq!(together, alone);
+    assert_eq!(together, alone, "{weights:?}");
 }
 
 #[test]

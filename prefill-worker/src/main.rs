@@ -21,7 +21,7 @@ struct Args {
     /// GGUF file or Hugging Face folder.
     #[arg(long, env = "PD_MODEL", default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
     model: PathBuf,
-    /// Weights in memory: f16, f32, q8 or stored (must match the decode workers').
+    /// Weights in memory: f16, f32, q8, stored or wq (must match the decode workers').
     #[arg(long, default_value = "f16")]
     weights: WeightFormat,
     /// Largest chunk of one prompt in one prefill step, in tokens.

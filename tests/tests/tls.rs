@@ -4,8 +4,6 @@
 //! no certificate, with a certificate from another CA, or in plaintext is refused by a worker.
 //! Certificates are made by the test with the openssl command.
 
-use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
 use pd_proto::v1 as pb;

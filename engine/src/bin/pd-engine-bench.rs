@@ -21,7 +21,7 @@ struct Args {
     model: PathBuf,
     #[arg(long, default_value_t = 1)]
     threads: usize,
-    /// f16 (default), f32, q8 or stored.
+    /// f16 (default), f32, q8, stored or wq.
     #[arg(long, default_value = "f16")]
     weights: WeightFormat,
     /// Prompt lengths for the prefill measurement.
