@@ -4,6 +4,9 @@
 # transport included), built once in release mode into target/.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# The disk may be shared with other jobs: say how much is free before building (a cold build
+# needs about 4 GB under target/).
+echo "test.sh: $(df -h . | awk 'NR == 2 {print $4}') free for target/"
 scripts/install-deps.sh
 scripts/install-deps.sh --check
 scripts/install-k8s-tools.sh

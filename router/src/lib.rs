@@ -26,6 +26,7 @@ pub mod record;
 pub mod relay;
 pub mod route;
 pub mod schedule;
+pub mod serve;
 pub mod tenants;
 pub mod updates;
 pub mod validate;
@@ -68,6 +69,9 @@ pub struct Config {
     /// Put prompts and generated text in the request record and span (off: they appear in
     /// no log line and no span).
     pub log_content: bool,
+    /// An HTTP connection that has not sent a whole request head within this is closed
+    /// (silent, slowloris and idle keep-alive connections).
+    pub header_read_timeout: std::time::Duration,
 }
 
 /// Serves HTTP on `http` and gRPC on `grpc` until `shutdown` resolves.
@@ -125,17 +129,9 @@ pub async fn run(
         .serve_with_incoming_shutdown(pd_proto::nodelay_incoming(grpc), async move {
             let _ = grpc_stop.wait_for(|s| *s).await;
         });
-    let mut http_stop = stop_rx;
-    // Each streamed token is a small write: never hold it back for Nagle's algorithm.
-    let http = axum::serve::ListenerExt::tap_io(http, |tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let http_server = axum::serve(http, http::router(state)).with_graceful_shutdown(async move {
-        let _ = http_stop.wait_for(|s| *s).await;
-    });
-    let (g, h) = tokio::join!(grpc_server, http_server);
+    let http_server = serve::serve_http(http, http::router(state), config.header_read_timeout, stop_rx);
+    let (g, ()) = tokio::join!(grpc_server, http_server);
     g?;
-    h?;
     tracing::info!("stopped");
     Ok(())
 }

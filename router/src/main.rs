@@ -63,6 +63,10 @@ struct Args {
     /// (by default they appear in no log line and no span).
     #[arg(long, env = "PD_LOG_CONTENT")]
     log_content: bool,
+    /// An HTTP connection that has not sent a whole request head within this many
+    /// milliseconds is closed (silent, slowloris and idle keep-alive connections).
+    #[arg(long, env = "PD_HEADER_READ_TIMEOUT_MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
+    header_read_timeout_ms: u64,
     /// Decode workers, host:port (DNS names are re-resolved on every request).
     #[arg(long, env = "PD_DECODE_WORKERS", value_delimiter = ',', required = true)]
     decode: Vec<String>,
@@ -133,6 +137,7 @@ async fn main() -> anyhow::Result<()> {
         tls: pd_proto::tls::TlsFiles::from_flags(args.tls_cert.clone(), args.tls_key.clone(), args.tls_ca.clone())
             .map_err(anyhow::Error::msg)?,
         log_content: args.log_content,
+        header_read_timeout: std::time::Duration::from_millis(args.header_read_timeout_ms),
     };
     if args.check_config {
         println!("pd-router config ok: {config:?}");

@@ -141,6 +141,7 @@ async fn no_reachable_worker_is_503_and_not_ready() {
             drain_delay: Duration::ZERO,
             tls: None,
             log_content: false,
+            header_read_timeout: Duration::from_secs(30),
         };
         tokio::spawn(pd_router::run(config, http, grpc, std::future::pending()));
         format!("http://{addr}")
@@ -222,6 +223,27 @@ async fn a_client_that_stops_reading_loses_the_request_after_the_send_timeout() 
     assert!(tokens < 1000, "{tokens}");
     assert_eq!(end.code(), tonic::Code::DeadlineExceeded, "{end:?}");
     assert!(end.message().contains("took no event for 300 ms"), "{end:?}");
+}
+
+#[tokio::test]
+async fn silent_and_slowloris_connections_are_closed_after_the_header_read_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let commits = Commits::default();
+    let (p, d) = (serve_prefill(FakePrefill::new(&commits)).await, serve_decode(FakeDecode::new(100, &commits)).await);
+    let router = start_router_config(vec![p], vec![d], |c| c.header_read_timeout = Duration::from_millis(300)).await;
+    let addr = router.http.trim_start_matches("http://").to_string();
+    let silent = tokio::net::TcpStream::connect(&addr).await.expect("connect");
+    let mut slow = tokio::net::TcpStream::connect(&addr).await.expect("connect");
+    slow.write_all(b"GET /health HTTP/1.1\r\nhost: pd\r\n").await.expect("half a head");
+    for (what, mut stream) in [("silent", silent), ("half a head", slow)] {
+        let mut answer = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut answer)).await;
+        assert!(read.is_ok(), "the {what} connection is still open 5 s later");
+        let text = String::from_utf8_lossy(&answer);
+        assert!(answer.is_empty() || text.starts_with("HTTP/1.1 408"), "{what}: {text}");
+    }
+    let health = reqwest::get(format!("{}/health", router.http)).await.expect("health");
+    assert_eq!(health.status(), 200, "the router still serves");
 }
 
 #[tokio::test]
