@@ -84,13 +84,25 @@ pub(crate) fn small_m_matmul(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
         }
     };
     drop(x_storage);
+    Ok(Tensor::from_vec(untranspose(&yt, m, n), (m, n), x.device())?)
+}
+
+/// `[n, m]` as `[m, n]`, in tiles of 64 outputs: row by row, the writes of a tile are
+/// contiguous and its reads stay in L1 (element by element with stride n, the copy of a
+/// 16-row lm_head output took 6% of a decode step).
+pub(crate) fn untranspose(yt: &[f32], m: usize, n: usize) -> Vec<f32> {
+    const TILE: usize = 64;
     let mut y = vec![0f32; m * n];
-    for (o, y_out) in yt.chunks_exact(m).enumerate() {
-        for (r, value) in y_out.iter().enumerate() {
-            y[r * n + o] = *value;
+    for first in (0..n).step_by(TILE) {
+        let last = (first + TILE).min(n);
+        for r in 0..m {
+            let row = &mut y[r * n + first..r * n + last];
+            for (o, value) in row.iter_mut().enumerate() {
+                *value = yt[(first + o) * m + r];
+            }
         }
     }
-    Ok(Tensor::from_vec(y, (m, n), x.device())?)
+    y
 }
 
 /// The product as `[n, m]` (one output's values for all rows together).

@@ -158,13 +158,7 @@ impl WqWeight {
         } else {
             yt.chunks_mut(OUTPUTS_PER_TASK * m).enumerate().for_each(task);
         }
-        let mut y = vec![0f32; m * self.n];
-        for (o, y_out) in yt.chunks_exact(m).enumerate() {
-            for (r, value) in y_out.iter().enumerate() {
-                y[r * self.n + o] = *value;
-            }
-        }
-        Ok(Tensor::from_vec(y, (m, self.n), x.device())?)
+        Ok(Tensor::from_vec(crate::matmul::untranspose(&yt, m, self.n), (m, self.n), x.device())?)
     }
 }
 
