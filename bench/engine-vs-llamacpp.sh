@@ -49,7 +49,7 @@ pin "$bin/llama-batched-bench" -m "$model" -t 1 -c 9216 -b 2048 -ub 512 -npp 512
 for w in $weights; do
     echo "== pd ($w)" >&2
     pin target/release/pd-engine-bench --model "$model" --threads 1 --weights "$w" --prefill 128,512,2048 \
-        --batch 1,4,16 --context 512 --steps 32 >"$out/pd-$w.md"
+        --batch 1,4,16 --context 512 --steps 128 >"$out/pd-$w.md"
 done
 {
     echo "Machine: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), core $core of $(nproc), one thread."
@@ -58,5 +58,7 @@ done
     echo "Command: \`bench/engine-vs-llamacpp.sh\` ($(date -u +%Y-%m-%d)); model $(basename "$model")."
     echo
     python3 bench/engine_vs_llamacpp.py "$out" $weights
+    echo
+    echo "Profiles and what was tried: [analysis.md](analysis.md) (written by hand, not by this script)."
 } >"$out/README.md"
 cat "$out/README.md"
