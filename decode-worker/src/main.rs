@@ -58,16 +58,8 @@ struct Args {
     /// Where the model runs: cpu, cuda or cuda:N (CUDA needs a build with the `cuda` feature).
     #[arg(long, env = "PD_DEVICE", default_value = "cpu")]
     device: DeviceKind,
-    /// Mutual TLS on the internal gRPC links: this process's certificate (PEM; with --tls-key
-    /// and --tls-ca; its name must be `pd.internal`).
-    #[arg(long, env = "PD_TLS_CERT")]
-    tls_cert: Option<PathBuf>,
-    /// The certificate's private key (PEM).
-    #[arg(long, env = "PD_TLS_KEY")]
-    tls_key: Option<PathBuf>,
-    /// The CA that signed every pd certificate (PEM): peers must present one of its certificates.
-    #[arg(long, env = "PD_TLS_CA")]
-    tls_ca: Option<PathBuf>,
+    #[command(flatten)]
+    tls: pd_proto::tls::TlsArgs,
     /// Check the flags and environment, print the settings and exit (loads nothing, opens
     /// no socket): for deployment checks.
     #[arg(long)]
@@ -102,8 +94,7 @@ fn config(args: &Args) -> anyhow::Result<pd_decode::Config> {
         max_batch: args.max_batch,
         prefill_policy: args.prefill_policy,
         grace: Duration::from_millis(args.grace_ms),
-        tls: pd_proto::tls::TlsFiles::from_flags(args.tls_cert.clone(), args.tls_key.clone(), args.tls_ca.clone())
-            .map_err(anyhow::Error::msg)?,
+        tls: args.tls.files().map_err(anyhow::Error::msg)?,
     };
     config.cache.validate()?;
     Ok(config)

@@ -29,6 +29,28 @@ fn read(what: &str, path: &Path) -> Result<Vec<u8>, String> {
     Ok(bytes)
 }
 
+/// The TLS flags of every pd binary (`#[command(flatten)]`), declared once.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TlsArgs {
+    /// Mutual TLS on the internal gRPC links: this process's certificate (PEM; with --tls-key
+    /// and --tls-ca; its name must be `pd.internal`).
+    #[arg(long, env = "PD_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM).
+    #[arg(long, env = "PD_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// The CA that signed every pd certificate (PEM): peers must present one of its certificates.
+    #[arg(long, env = "PD_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    /// The files, checked (`TlsFiles::from_flags`); None: plaintext.
+    pub fn files(&self) -> Result<Option<TlsFiles>, String> {
+        TlsFiles::from_flags(self.tls_cert.clone(), self.tls_key.clone(), self.tls_ca.clone())
+    }
+}
+
 impl TlsFiles {
     /// From the `--tls-cert`, `--tls-key` and `--tls-ca` flags: all three (TLS on every
     /// internal link), or none (plaintext); anything else names what is missing.

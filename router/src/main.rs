@@ -88,16 +88,8 @@ struct Args {
     /// Log lines: human or json.
     #[arg(long, env = "PD_LOG_FORMAT", default_value = "human")]
     log_format: pd_telemetry::LogFormat,
-    /// Mutual TLS on the internal gRPC links: this process's certificate (PEM; with --tls-key
-    /// and --tls-ca; its name must be `pd.internal`).
-    #[arg(long, env = "PD_TLS_CERT")]
-    tls_cert: Option<PathBuf>,
-    /// The certificate's private key (PEM).
-    #[arg(long, env = "PD_TLS_KEY")]
-    tls_key: Option<PathBuf>,
-    /// The CA that signed every pd certificate (PEM): peers must present one of its certificates.
-    #[arg(long, env = "PD_TLS_CA")]
-    tls_ca: Option<PathBuf>,
+    #[command(flatten)]
+    tls: pd_proto::tls::TlsArgs,
     /// Check the flags and environment, print the settings and exit (loads nothing, opens
     /// no socket): for deployment checks.
     #[arg(long)]
@@ -134,8 +126,7 @@ async fn main() -> anyhow::Result<()> {
         },
         body_limit: args.body_limit,
         drain_delay: std::time::Duration::from_millis(args.drain_delay_ms),
-        tls: pd_proto::tls::TlsFiles::from_flags(args.tls_cert.clone(), args.tls_key.clone(), args.tls_ca.clone())
-            .map_err(anyhow::Error::msg)?,
+        tls: args.tls.files().map_err(anyhow::Error::msg)?,
         log_content: args.log_content,
         header_read_timeout: std::time::Duration::from_millis(args.header_read_timeout_ms),
     };
