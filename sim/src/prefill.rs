@@ -1,0 +1,249 @@
+//! A simulated prefill worker: the real `pd.v1.PrefillWorker` service with no model. Prompts
+//! are planned into steps by the real prefill worker's planner (`pd_prefill::step::plan`,
+//! request-parallel chunks, shortest remaining first, at most one long prompt per step) and
+//! each step lasts what the cost model predicts. A finished prompt's KV goes to the decode
+//! worker's KvTransfer endpoint as the real protocol's control messages (header, then commit
+//! after the cost model's hand-off time, no frames), and the response carries the same
+//! timings as the real worker's. `Load` reports waiting tokens, running and queued prefills
+//! and the short-prompt rate the real worker reports.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pd_prefill::step::{plan, Candidate, CostModel, StepConfig};
+use pd_proto::v1 as pb;
+use tokio::sync::{mpsc, oneshot, Notify};
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+use crate::cost::WorkerCost;
+
+type KvClient = pb::kv_transfer_client::KvTransferClient<Channel>;
+
+/// A prompt being prefilled.
+struct Job {
+    id: u64,
+    len: usize,
+    done: usize,
+    arrived: Instant,
+    last_turn: Instant,
+    started: Option<Instant>,
+    finished: oneshot::Sender<Timings>,
+}
+
+/// Queue and compute times of one prompt.
+struct Timings {
+    queue_ms: f64,
+    prefill_ms: f64,
+}
+
+#[derive(Default)]
+struct State {
+    jobs: Vec<Job>,
+    next_id: u64,
+}
+
+/// One simulated prefill worker; cheap to clone (shared state).
+#[derive(Clone)]
+pub struct SimPrefill {
+    cost: Arc<WorkerCost>,
+    model: CostModel,
+    step: StepConfig,
+    state: Arc<Mutex<State>>,
+    wake: Arc<Notify>,
+    channels: Arc<Mutex<HashMap<String, KvClient>>>,
+    lost: Arc<AtomicBool>,
+}
+
+impl SimPrefill {
+    /// A worker planning with `step`; its step loop runs on the current tokio runtime.
+    pub fn start(cost: Arc<WorkerCost>, step: StepConfig) -> Self {
+        let worker = SimPrefill {
+            model: cost.prefill_model(),
+            cost,
+            step,
+            state: Arc::default(),
+            wake: Arc::new(Notify::new()),
+            channels: Arc::default(),
+            lost: Arc::new(AtomicBool::new(false)),
+        };
+        tokio::spawn(worker.clone().step_loop());
+        worker
+    }
+
+    /// The worker crashes: its prefills fail with UNAVAILABLE, and so does every later call.
+    pub fn lose(&self) {
+        self.lost.store(true, Ordering::SeqCst);
+        self.lock().jobs.clear();
+        self.wake.notify_one();
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn check_alive(&self) -> Result<(), Status> {
+        if self.lost.load(Ordering::SeqCst) {
+            return Err(Status::unavailable("simulated prefill worker lost"));
+        }
+        Ok(())
+    }
+
+    async fn step_loop(self) {
+        loop {
+            let (chosen, ms) = {
+                let s = self.lock();
+                let now = Instant::now();
+                let cands: Vec<Candidate> = s
+                    .jobs
+                    .iter()
+                    .map(|j| Candidate {
+                        remaining: j.len - j.done,
+                        done: j.done,
+                        len: j.len,
+                        waited: now.duration_since(j.last_turn),
+                    })
+                    .collect();
+                let picked = plan(&cands, &self.step, &self.model);
+                let chunks: Vec<(usize, usize)> = picked.iter().map(|&(i, t)| (t, cands[i].done)).collect();
+                let chosen: Vec<(u64, usize)> = picked.iter().map(|&(i, t)| (s.jobs[i].id, t)).collect();
+                (chosen, self.model.predict(&chunks))
+            };
+            if chosen.is_empty() {
+                self.wake.notified().await;
+                continue;
+            }
+            let started = Instant::now();
+            tokio::time::sleep(ms).await;
+            self.apply_step(&chosen, started);
+        }
+    }
+
+    fn apply_step(&self, chosen: &[(u64, usize)], started: Instant) {
+        let mut s = self.lock();
+        let now = Instant::now();
+        for &(id, tokens) in chosen {
+            if let Some(j) = s.jobs.iter_mut().find(|j| j.id == id) {
+                j.started.get_or_insert(started);
+                j.done = (j.done + tokens).min(j.len);
+                j.last_turn = now;
+            }
+        }
+        let (done, rest): (Vec<Job>, Vec<Job>) = std::mem::take(&mut s.jobs).into_iter().partition(|j| j.done >= j.len);
+        s.jobs = rest;
+        drop(s);
+        for j in done {
+            let start = j.started.unwrap_or(started);
+            let timings = Timings {
+                queue_ms: start.duration_since(j.arrived).as_secs_f64() * 1e3,
+                prefill_ms: now.duration_since(start).as_secs_f64() * 1e3,
+            };
+            let _ = j.finished.send(timings);
+        }
+    }
+
+    async fn client(&self, endpoint: &str) -> Result<KvClient, Status> {
+        if let Some(c) = self.channels.lock().unwrap_or_else(|p| p.into_inner()).get(endpoint) {
+            return Ok(c.clone());
+        }
+        let uri = format!("http://{endpoint}");
+        let channel = Channel::from_shared(uri)
+            .map_err(|e| Status::invalid_argument(format!("target.kv_endpoint {endpoint:?}: {e}")))?
+            .connect_timeout(Duration::from_secs(2))
+            .connect()
+            .await
+            .map_err(|e| Status::unavailable(format!("cannot reach the KV endpoint {endpoint}: {e}")))?;
+        let client = KvClient::new(channel);
+        self.channels.lock().unwrap_or_else(|p| p.into_inner()).insert(endpoint.into(), client.clone());
+        Ok(client)
+    }
+
+    /// Header, the hand-off time, commit; the receiver's answer to each.
+    async fn ship(&self, target: &pb::KvTarget, prompt: usize, first_token: u32) -> Result<(f64, u64), Status> {
+        use pb::kv_sender_message::Message;
+        let started = Instant::now();
+        let uncached = prompt.saturating_sub(target.cached_tokens as usize);
+        let (tx, rx) = mpsc::channel(4);
+        let header = pb::KvTransferHeader {
+            transfer_id: target.transfer_id.clone(),
+            block_ids: target.block_ids.clone(),
+            block_size: target.block_size,
+            num_tokens: uncached as u32,
+            ..Default::default()
+        };
+        let _ = tx.send(pb::KvSenderMessage { message: Some(Message::Header(header)) }).await;
+        let mut client = self.client(&target.kv_endpoint).await?;
+        let mut replies = client.transfer(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
+        let refused = |r: pb::KvRefused| Status::failed_precondition(format!("KV refused ({}): {}", r.kind, r.reason));
+        match replies.message().await?.and_then(|m| m.message) {
+            Some(pb::kv_receiver_message::Message::Accepted(_)) => {}
+            Some(pb::kv_receiver_message::Message::Refused(r)) => return Err(refused(r)),
+            _ => return Err(Status::internal("the KV receiver did not accept the header")),
+        }
+        tokio::time::sleep(Duration::from_secs_f64(self.cost.kv_commit_ms(uncached) / 1e3)).await;
+        let commit = pb::KvCommit { first_token, prompt_tokens: prompt as u32 };
+        let _ = tx.send(pb::KvSenderMessage { message: Some(Message::Commit(commit)) }).await;
+        match replies.message().await?.and_then(|m| m.message) {
+            Some(pb::kv_receiver_message::Message::Committed(c)) => {
+                Ok((started.elapsed().as_secs_f64() * 1e3, c.bytes))
+            }
+            Some(pb::kv_receiver_message::Message::Refused(r)) => Err(refused(r)),
+            _ => Err(Status::internal("the KV receiver did not confirm the commit")),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl pb::prefill_worker_server::PrefillWorker for SimPrefill {
+    async fn prefill(&self, request: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
+        self.check_alive()?;
+        let req = request.into_inner();
+        if req.prompt_tokens.is_empty() {
+            return Err(Status::invalid_argument("prompt_tokens is empty"));
+        }
+        let Some(target) = req.target else { return Err(Status::invalid_argument("target is required")) };
+        if target.cached_tokens as usize >= req.prompt_tokens.len() {
+            return Err(Status::invalid_argument("target.cached_tokens must be fewer than the prompt's tokens"));
+        }
+        let (finished, timings) = oneshot::channel();
+        {
+            let mut s = self.lock();
+            let now = Instant::now();
+            let id = s.next_id;
+            s.next_id += 1;
+            let len = req.prompt_tokens.len();
+            s.jobs.push(Job { id, len, done: 0, arrived: now, last_turn: now, started: None, finished });
+        }
+        self.wake.notify_one();
+        let t = timings.await.map_err(|_| Status::unavailable("simulated prefill worker lost"))?;
+        let first_token = crate::FIRST_TOKEN;
+        let (kv_commit_ms, kv_bytes) = self.ship(&target, req.prompt_tokens.len(), first_token).await?;
+        Ok(Response::new(pb::PrefillResponse {
+            first_token,
+            queue_ms: t.queue_ms,
+            prefill_ms: t.prefill_ms,
+            kv_commit_ms,
+            kv_bytes,
+            cached_tokens: 0,
+        }))
+    }
+
+    async fn load(&self, _: Request<pb::LoadRequest>) -> Result<Response<pb::PrefillLoad>, Status> {
+        self.check_alive()?;
+        let s = self.lock();
+        let waiting: usize = s.jobs.iter().map(|j| j.len - j.done).sum();
+        let running = s.jobs.iter().filter(|j| j.done > 0).count();
+        // What the real worker reports: its rate on short prompts (a 128-token chunk).
+        let short = self.model.predict(&[(128, 0)]).as_secs_f64();
+        Ok(Response::new(pb::PrefillLoad {
+            waiting_prefill_tokens: waiting as u64,
+            running_prefills: running as u32,
+            queued_prefills: (s.jobs.len() - running) as u32,
+            prefill_tokens_per_s: if short > 0.0 { 128.0 / short } else { 0.0 },
+            max_partial_prefills: self.step.max_prompts as u32,
+            cache: None,
+        }))
+    }
+}

@@ -1,0 +1,181 @@
+//! A worker cost model from first principles, for hardware we do not have here: a roofline of
+//! a hardware description (peak dense FLOP/s, memory bandwidth, KV link bandwidth, memory)
+//! and a model geometry, with two efficiency factors (fraction of peak FLOP/s a prefill
+//! reaches, fraction of bandwidth a decode step reaches). Every assumption is written into the
+//! result's `source`, so a plan built on it says what it assumed.
+//!
+//! - prefill: 2 FLOP per parameter per token, plus 4 x layers x heads x head_dim FLOP per
+//!   token per token of context it attends over (QK^T and AV); a step also reads the weights
+//!   once (its fixed part).
+//! - decode: a step reads the weights once (fixed), does 2 FLOP per parameter per row, and
+//!   reads every row's KV (per token of context).
+//! - KV hand-off: K and V of every layer per token; layers before the last overlap the
+//!   compute, so the commit waits for one layer's bytes over the link plus a round trip.
+
+use serde::{Deserialize, Serialize};
+
+use crate::cost::{DecodeCost, KvCost, PrefillCost, WorkerCost, WorkerShape};
+
+/// One worker's hardware (all its GPUs together under tensor parallelism).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Hardware {
+    pub name: String,
+    /// Peak dense FLOP/s at the weights' precision, per GPU.
+    pub tflops: f64,
+    /// Memory bandwidth per GPU, GB/s.
+    pub hbm_gb_s: f64,
+    /// Memory per GPU, GB.
+    pub hbm_gb: f64,
+    /// KV link from a prefill to a decode worker, GB/s per GPU (RDMA NIC).
+    pub link_gb_s: f64,
+    /// GPUs per worker (tensor parallel).
+    pub gpus: u32,
+    /// Fraction of peak FLOP/s a prefill reaches (MFU).
+    pub mfu: f64,
+    /// Fraction of peak bandwidth a decode step reaches (MBU).
+    pub mbu: f64,
+}
+
+/// A transformer's geometry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelShape {
+    pub name: String,
+    pub params: f64,
+    pub layers: u32,
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    /// Bytes per weight (2 for bf16/f16).
+    pub weight_bytes: f64,
+    /// Bytes per KV value (2 for f16).
+    pub kv_value_bytes: f64,
+    pub max_position: u32,
+}
+
+/// Named hardware: `h100`, `h200` (SXM, bf16 dense peak, 400 Gb/s NIC per GPU).
+pub fn hardware(name: &str, gpus: u32) -> Option<Hardware> {
+    let (tflops, hbm_gb_s, hbm_gb) = match name {
+        "h100" => (989.0, 3350.0, 80.0),
+        "h200" => (989.0, 4800.0, 141.0),
+        _ => return None,
+    };
+    Some(Hardware { name: name.into(), tflops, hbm_gb_s, hbm_gb, link_gb_s: 50.0, gpus, mfu: 0.5, mbu: 0.7 })
+}
+
+/// Named models: `llama-8b` (Llama-3.1-8B), `llama-70b` (Llama-3.1-70B), `smollm2-135m`.
+pub fn model(name: &str) -> Option<ModelShape> {
+    let (params, layers, heads, kv_heads, head_dim, max_position) = match name {
+        "llama-8b" => (8.03e9, 32, 32, 8, 128, 131_072),
+        "llama-70b" => (70.6e9, 80, 64, 8, 128, 131_072),
+        "smollm2-135m" => (1.35e8, 30, 9, 3, 64, 8192),
+        _ => return None,
+    };
+    Some(ModelShape {
+        name: name.into(),
+        params,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        weight_bytes: 2.0,
+        kv_value_bytes: 2.0,
+        max_position,
+    })
+}
+
+/// Why a roofline cannot be built.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum RooflineError {
+    #[error("the weights ({weights_gb:.0} GB) leave no KV memory on {gpus} x {hbm_gb} GB: use more GPUs per worker")]
+    DoesNotFit { weights_gb: f64, gpus: u32, hbm_gb: f64 },
+    #[error("{0} must be positive")]
+    NotPositive(&'static str),
+}
+
+/// The cost model of `model` on `hw`, with `block_size`-token KV blocks, at most `max_batch`
+/// rows per decode step, and 90% of memory usable.
+pub fn roofline(hw: &Hardware, m: &ModelShape, block_size: u32, max_batch: u32) -> Result<WorkerCost, RooflineError> {
+    for (name, v) in [("tflops", hw.tflops), ("hbm_gb_s", hw.hbm_gb_s), ("mfu", hw.mfu), ("mbu", hw.mbu)] {
+        if v.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+            return Err(RooflineError::NotPositive(name));
+        }
+    }
+    let gpus = f64::from(hw.gpus.max(1));
+    let flops = hw.tflops * 1e12 * gpus * hw.mfu;
+    let bandwidth = hw.hbm_gb_s * 1e9 * gpus * hw.mbu;
+    let weights = m.params * m.weight_bytes;
+    let kv_per_token = 2.0 * f64::from(m.layers * m.kv_heads * m.head_dim) * m.kv_value_bytes;
+    let attention_flops = 4.0 * f64::from(m.layers * m.heads * m.head_dim);
+    let kv_memory = hw.hbm_gb * 1e9 * gpus * 0.9 - weights;
+    if kv_memory <= 0.0 {
+        return Err(RooflineError::DoesNotFit { weights_gb: weights / 1e9, gpus: hw.gpus, hbm_gb: hw.hbm_gb });
+    }
+    let kv_blocks = (kv_memory / (kv_per_token * f64::from(block_size))).floor().min(f64::from(u32::MAX)) as u32;
+    let link = hw.link_gb_s * 1e9 * gpus;
+    let source = format!(
+        "roofline: {} on {} x {} ({} TFLOP/s, {} GB/s, {} GB each; prefill at {:.0}% of peak FLOP/s, decode at {:.0}% of \
+         bandwidth; KV over {} GB/s per GPU, one layer after the compute + 0.1 ms); {:.1} GB weights, {} bytes of KV per token",
+        m.name,
+        hw.gpus,
+        hw.name,
+        hw.tflops,
+        hw.hbm_gb_s,
+        hw.hbm_gb,
+        hw.mfu * 100.0,
+        hw.mbu * 100.0,
+        hw.link_gb_s,
+        weights / 1e9,
+        kv_per_token
+    );
+    Ok(WorkerCost {
+        source,
+        prefill: PrefillCost {
+            fixed_ms: weights / bandwidth * 1e3,
+            per_token_ms: 2.0 * m.params / flops * 1e3,
+            per_pair_us: attention_flops / flops * 1e6,
+        },
+        decode: DecodeCost {
+            fixed_ms: weights / bandwidth * 1e3,
+            per_row_ms: 2.0 * m.params / flops * 1e3,
+            per_context_us: kv_per_token / bandwidth * 1e6,
+        },
+        kv: KvCost {
+            bytes_per_token: kv_per_token as u64,
+            commit_fixed_ms: 0.1,
+            commit_ms_per_mb: 1e6 / f64::from(m.layers) / link * 1e3,
+        },
+        worker: WorkerShape { block_size, kv_blocks, max_batch, max_position: m.max_position },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama_8b_on_one_h200_matches_the_hand_computed_roofline() {
+        let hw = hardware("h200", 1).expect("h200");
+        let m = model("llama-8b").expect("llama-8b");
+        let c = roofline(&hw, &m, 16, 256).expect("fits");
+        // 16.06 GB of weights at 0.7 x 4.8 TB/s = 3.36 TB/s: 4.78 ms per step.
+        assert!((c.decode.fixed_ms - 16.06e9 / 3.36e12 * 1e3).abs() < 1e-6, "{}", c.decode.fixed_ms);
+        // 2 x 8.03e9 FLOP at 0.5 x 989 TFLOP/s: 0.0325 ms per prompt token (~31k tok/s).
+        assert!((c.prefill.per_token_ms - 0.032477).abs() < 1e-5, "{}", c.prefill.per_token_ms);
+        // K and V: 2 x 32 layers x 8 heads x 128 x 2 bytes = 131,072 bytes per token.
+        assert_eq!(c.kv.bytes_per_token, 131_072);
+        // (126.9 GB - 16.06 GB) / (131,072 x 16) = 52,852 blocks.
+        assert_eq!(c.worker.kv_blocks, 52_852);
+        assert!(c.source.contains("h200") && c.source.contains("50%"));
+        c.validate().expect("valid");
+    }
+
+    #[test]
+    fn a_model_that_does_not_fit_says_so() {
+        let hw = hardware("h100", 1).expect("h100");
+        let m = model("llama-70b").expect("70b");
+        let e = roofline(&hw, &m, 16, 256).expect_err("141 GB of weights on 80 GB");
+        assert!(e.to_string().contains("more GPUs"), "{e}");
+        let hw4 = hardware("h100", 4).expect("h100");
+        assert!(roofline(&hw4, &m, 16, 256).is_ok());
+    }
+}
