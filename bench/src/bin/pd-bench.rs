@@ -4,6 +4,9 @@
 //!   pd-bench matrix --url URL --out DIR [--inputs 128,512,2048 --outputs 32,128,512 --concurrency 1,4,16]
 //!   pd-bench compare --out DIR --class interactive RUN_DIR...
 //!   pd-bench hostile --url URL --out FILE [--idle 500 --slow 20 --duration-s 60]
+//!   pd-bench profile --prefill ADDR --decode ADDR --out COST.json
+//!   pd-bench roofline --hardware h200 --model llama-8b --out COST.json
+//!   pd-bench plan --cost COST.json (--requests RUN/requests.json | --traffic FILE) --out DIR
 //!
 //! Prompts are built to exact token counts with the model's tokenizer (`--model`).
 
@@ -118,6 +121,113 @@ enum Command {
         #[arg(long, default_value_t = 60.0)]
         duration_s: f64,
     },
+    /// Measures a prefill + decode worker pair over pd.v1 and fits its cost model (JSON, for
+    /// pd-sim-worker and `plan`).
+    Profile {
+        /// host:port of the prefill worker.
+        #[arg(long)]
+        prefill: String,
+        /// host:port of the decode worker.
+        #[arg(long)]
+        decode: String,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, value_delimiter = ',', default_value = "32,128,512,1024,2048")]
+        prefill_lengths: Vec<usize>,
+        #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+        batches: Vec<usize>,
+        #[arg(long, value_delimiter = ',', default_value = "128,1024")]
+        contexts: Vec<usize>,
+        #[arg(long, default_value_t = 40)]
+        decode_tokens: u32,
+        /// The model's context length.
+        #[arg(long, default_value_t = 8192)]
+        max_position: u32,
+        /// The prefill worker's --step-target-ms and --chunk (to count its steps). Profile a
+        /// prefill worker started with a step target this large (60 s), so that a lone prompt
+        /// goes in whole --chunk chunks and the fit sees each chunk's cost.
+        #[arg(long, default_value_t = 60_000)]
+        step_target_ms: u64,
+        #[arg(long, default_value_t = 512)]
+        chunk: usize,
+        /// Named in the cost model's source.
+        #[arg(long, default_value = "this machine")]
+        machine: String,
+    },
+    /// A capacity plan from a load test or a traffic description and a cost model: capacity
+    /// table per class, replicas per pool, the loss of one replica, autoscaler targets
+    /// (plan.md, plan.json, rates.svg).
+    Plan {
+        #[arg(long)]
+        cost: PathBuf,
+        /// A pd-bench run's requests.json.
+        #[arg(long, conflicts_with = "traffic", required_unless_present = "traffic")]
+        requests: Option<PathBuf>,
+        /// A traffic description (JSON: window_s, classes with rates, lengths and SLOs).
+        #[arg(long)]
+        traffic: Option<PathBuf>,
+        #[arg(long)]
+        out: PathBuf,
+        /// SLO targets of a class, CLASS=TTFT_MS:ITL_MS (repeatable; defaults: the router's
+        /// built-in classes, interactive=1500:100 and batch=600000:1000).
+        #[arg(long)]
+        slo: Vec<String>,
+        #[arg(long, default_value_t = 300.0)]
+        window_s: f64,
+        #[arg(long, default_value_t = 120.0)]
+        scale_out_s: f64,
+        /// Replicas kept spare per pool for the loss of one.
+        #[arg(long, default_value_t = 1)]
+        spare: u32,
+        #[arg(long, default_value_t = 0.7)]
+        prefill_utilization: f64,
+        #[arg(long, default_value_t = 0.8)]
+        decode_utilization: f64,
+        /// The prefill workers' --chunk.
+        #[arg(long, default_value_t = 512)]
+        chunk: usize,
+    },
+    /// A cost model from a roofline: named hardware (h100, h200) and model (llama-8b,
+    /// llama-70b, smollm2-135m), with the efficiencies assumed.
+    Roofline {
+        #[arg(long)]
+        hardware: String,
+        /// GPUs per worker (tensor parallel).
+        #[arg(long, default_value_t = 1)]
+        gpus: u32,
+        #[arg(long)]
+        model: String,
+        #[arg(long)]
+        out: PathBuf,
+        /// Fraction of peak FLOP/s reached by prefill.
+        #[arg(long, default_value_t = 0.5)]
+        mfu: f64,
+        /// Fraction of peak bandwidth reached by decode.
+        #[arg(long, default_value_t = 0.7)]
+        mbu: f64,
+        #[arg(long, default_value_t = 16)]
+        block_size: u32,
+        #[arg(long, default_value_t = 256)]
+        max_batch: u32,
+    },
+}
+
+/// `CLASS=TTFT_MS:ITL_MS`.
+fn parse_slo(s: &str) -> anyhow::Result<(String, pd_bench::plan::Targets)> {
+    let bad = || anyhow::anyhow!("--slo {s:?}: expected CLASS=TTFT_MS:ITL_MS, e.g. interactive=1500:100");
+    let (class, rest) = s.split_once('=').ok_or_else(bad)?;
+    let (ttft, itl) = rest.split_once(':').ok_or_else(bad)?;
+    let ttft_ms: f64 = ttft.parse().map_err(|_| bad())?;
+    let itl_ms: f64 = itl.parse().map_err(|_| bad())?;
+    anyhow::ensure!(ttft_ms > 0.0 && itl_ms > 0.0 && !class.is_empty(), bad());
+    Ok((class.to_string(), pd_bench::plan::Targets { ttft_ms, itl_ms }))
+}
+
+fn write_json<T: serde::Serialize>(out: &std::path::Path, value: &T) -> anyhow::Result<()> {
+    let json = serde_json::to_string_pretty(value)?;
+    std::fs::write(out, &json).with_context(|| format!("writing {}", out.display()))?;
+    println!("{json}");
+    Ok(())
 }
 
 fn target(s: &Server) -> Target {
@@ -196,6 +306,103 @@ async fn main() -> anyhow::Result<()> {
             let json = serde_json::to_string_pretty(&report)?;
             std::fs::write(&out, &json).with_context(|| format!("writing {}", out.display()))?;
             println!("{json}");
+        }
+        Command::Profile {
+            prefill,
+            decode,
+            out,
+            prefill_lengths,
+            batches,
+            contexts,
+            decode_tokens,
+            max_position,
+            step_target_ms,
+            chunk,
+            machine,
+        } => {
+            anyhow::ensure!(chunk > 0 && step_target_ms > 0, "--chunk and --step-target-ms must be at least 1");
+            let step = pd_prefill::step::StepConfig {
+                target: Duration::from_millis(step_target_ms),
+                max_chunk: chunk,
+                ..pd_prefill::step::StepConfig::single(chunk)
+            };
+            let plan = pd_bench::profile::Plan {
+                prefill_lengths,
+                batches,
+                contexts,
+                decode_tokens,
+                step: pd_prefill::step::StepConfig { min_chunk: 16, short_chunk: 128, long_threshold: 512, ..step },
+                max_position,
+                machine,
+            };
+            let profile = pd_bench::profile::run(&prefill, &decode, &plan).await?;
+            write_json(&out, &profile)?;
+        }
+        Command::Roofline { hardware, gpus, model, out, mfu, mbu, block_size, max_batch } => {
+            let mut hw = pd_sim::roofline::hardware(&hardware, gpus)
+                .with_context(|| format!("--hardware {hardware:?}: known are h100, h200"))?;
+            hw.mfu = mfu;
+            hw.mbu = mbu;
+            let m = pd_sim::roofline::model(&model)
+                .with_context(|| format!("--model {model:?}: known are llama-8b, llama-70b, smollm2-135m"))?;
+            let cost = pd_sim::roofline::roofline(&hw, &m, block_size, max_batch)?;
+            write_json(&out, &cost)?;
+        }
+        Command::Plan {
+            cost,
+            requests,
+            traffic,
+            out,
+            slo,
+            window_s,
+            scale_out_s,
+            spare,
+            prefill_utilization,
+            decode_utilization,
+            chunk,
+        } => {
+            use pd_bench::plan::{self, traffic::Traffic, PlanConfig, Targets};
+            let cost = pd_sim::cost::WorkerCost::load(&cost.to_string_lossy())?;
+            let mut cfg = PlanConfig {
+                window_s,
+                scale_out_s,
+                spare,
+                prefill_utilization,
+                decode_utilization,
+                chunk,
+                ..PlanConfig::default()
+            };
+            cfg.slos.insert("interactive".into(), Targets { ttft_ms: 1500.0, itl_ms: 100.0 });
+            cfg.slos.insert("batch".into(), Targets { ttft_ms: 600_000.0, itl_ms: 1000.0 });
+            let (samples, duration) = match (&requests, &traffic) {
+                (Some(path), _) => {
+                    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+                    let samples: Vec<pd_bench::loadgen::stats::RequestSample> = serde_json::from_str(&text)
+                        .with_context(|| format!("{} is not a pd-bench requests.json", path.display()))?;
+                    (samples, None)
+                }
+                (None, Some(path)) => {
+                    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+                    let t = Traffic::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+                    cfg.window_s = t.window_s;
+                    cfg.slos.extend(t.targets());
+                    let windows = t.classes.iter().map(|c| c.rates_per_s.len()).max().unwrap_or(0).max(1);
+                    (t.samples(), Some(windows as f64 * t.window_s))
+                }
+                (None, None) => anyhow::bail!("give --requests or --traffic"),
+            };
+            for s in &slo {
+                let (class, t) = parse_slo(s)?;
+                cfg.slos.insert(class, t);
+            }
+            let p = plan::plan(&samples, duration, &cost, &cfg)?;
+            std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+            let md = plan::render::markdown(&p);
+            std::fs::write(out.join("plan.md"), &md)?;
+            std::fs::write(out.join("plan.json"), serde_json::to_string_pretty(&p)?)?;
+            std::fs::write(out.join("rates.svg"), plan::render::svg(&p))?;
+            println!("{md}");
+            println!("written to {}", out.display());
         }
         Command::Compare { out, class, with_variant, without_variant, header, runs } => {
             let runs: Vec<Run> =

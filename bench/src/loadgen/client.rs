@@ -42,6 +42,7 @@ pub async fn send(
         status: None,
         retry_after_s: None,
         cached_tokens: None,
+        attempt: 0,
     };
     let body = json!({
         "model": target.model,

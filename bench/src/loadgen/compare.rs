@@ -160,6 +160,7 @@ mod tests {
             label: label.into(),
             duration_s: 1.0,
             samples: vec![RequestSample {
+                attempt: 0,
                 class: "interactive".into(),
                 input_tokens: 64,
                 requested_output_tokens: 5,

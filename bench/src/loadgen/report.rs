@@ -206,6 +206,7 @@ mod tests {
 
     fn sample(class: &str, input: usize, tokens: &[f64]) -> RequestSample {
         RequestSample {
+            attempt: 0,
             cached_tokens: None,
             class: class.into(),
             input_tokens: input,

@@ -12,6 +12,9 @@ use crate::loadgen::prompt::{PromptBuilder, Rng};
 use crate::loadgen::scenario::{Arrival, ClassSpec, Scenario};
 use crate::loadgen::stats::RequestSample;
 
+/// Retries of one refused request by a closed-loop client.
+const MAX_RETRIES: u32 = 3;
+
 /// A request ready to send.
 #[derive(Debug, Clone)]
 struct Job {
@@ -169,8 +172,8 @@ impl Driver {
     }
 
     /// Sends one request; returns how long the server asked to wait (429 + Retry-After).
-    async fn execute(&self, job: Job) -> Option<Duration> {
-        let sample = send(
+    async fn execute(&self, job: Job, attempt: u32) -> Option<Duration> {
+        let mut sample = send(
             &self.client,
             &self.target,
             self.origin,
@@ -180,6 +183,7 @@ impl Driver {
             job.output_tokens,
         )
         .await;
+        sample.attempt = attempt;
         if sample.error.is_some() {
             self.shared.errors.fetch_add(1, Ordering::Relaxed);
         }
@@ -201,10 +205,16 @@ impl Driver {
                         let me = self.clone();
                         tokio::spawn(async move {
                             // A closed-loop client behaves like a polite one: after a 429 it
-                            // waits the Retry-After the server gave (bounded by the run's end).
+                            // waits the Retry-After the server gave (bounded by the run's end)
+                            // and sends the same request again, at most MAX_RETRIES times.
                             while let Some(job) = me.next_job() {
-                                if let Some(wait) = me.execute(job).await {
+                                let mut attempt = 0;
+                                while let Some(wait) = me.execute(job.clone(), attempt).await {
                                     tokio::time::sleep_until(me.stop_at.min(Instant::now() + wait).into()).await;
+                                    attempt += 1;
+                                    if attempt > MAX_RETRIES || Instant::now() >= me.stop_at {
+                                        break;
+                                    }
                                 }
                             }
                         })
@@ -221,7 +231,7 @@ impl Driver {
                 while let Some(job) = self.next_job() {
                     let me = self.clone();
                     inflight.push(tokio::spawn(async move {
-                        let _ = me.execute(job).await;
+                        let _ = me.execute(job, 0).await;
                     }));
                     let gap = match class.arrival {
                         Arrival::Poisson { rate_per_s } => rng.exponential(1.0 / rate_per_s),

@@ -55,6 +55,11 @@ pub struct RequestSample {
     /// a prefix cache served (> 0: a warm request).
     #[serde(default)]
     pub cached_tokens: Option<usize>,
+    /// 0 for a request's first sending, n for its n-th retry after a 429 (closed-loop clients
+    /// retry the same request after its Retry-After): capacity plans count demand from the
+    /// first sendings only.
+    #[serde(default)]
+    pub attempt: u32,
 }
 
 impl RequestSample {
@@ -192,6 +197,7 @@ mod tests {
 
     fn sample(sent: f64, tokens: &[f64]) -> RequestSample {
         RequestSample {
+            attempt: 0,
             cached_tokens: None,
             class: "c".into(),
             input_tokens: 10,
