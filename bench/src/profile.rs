@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use pd_prefill::step::{plan, Candidate, StepConfig};
 use pd_proto::v1 as pb;
-use pd_sim::cost::{DecodeCost, KvCost, PrefillCost, WorkerCost, WorkerShape};
+use pd_sim::cost::{DecodeCost, KvCost, PrefillCost, WideForward, WorkerCost, WorkerShape};
 use pd_sim::fit::fit_non_negative;
 use serde::Serialize;
 use tonic::transport::Channel;
@@ -138,40 +138,79 @@ async fn one(
     Ok(Outcome { prefill, token_nanos })
 }
 
-/// Steps the real planner makes of a lone prompt of `tokens` under `model`.
-fn steps_alone(tokens: usize, step: &StepConfig, model: &pd_prefill::step::CostModel) -> usize {
-    let (mut done, mut steps) = (0, 0);
-    while done < tokens && steps < 100_000 {
+/// The CPU engine's small-batch kernel takes forwards of at most this many rows.
+const SMALL_ROWS: usize = 16;
+
+/// Steps the real planner makes of a lone prompt of `tokens` under `model`: (steps of at
+/// most SMALL_ROWS tokens, wider steps).
+fn steps_alone(tokens: usize, step: &StepConfig, model: &pd_prefill::step::CostModel) -> (usize, usize) {
+    let (mut done, mut small, mut wide) = (0, 0, 0);
+    while done < tokens && small + wide < 100_000 {
         let c = Candidate { remaining: tokens - done, done, len: tokens, waited: Duration::ZERO };
         let chunk = plan(&[c], step, model).first().map(|&(_, t)| t).unwrap_or(tokens - done).max(1);
         done += chunk;
-        steps += 1;
+        if chunk <= SMALL_ROWS {
+            small += 1;
+        } else {
+            wide += 1;
+        }
     }
-    steps
+    (small, wide)
 }
 
 fn predict_prefill(cost: &WorkerCost, tokens: usize, step: &StepConfig) -> f64 {
-    let model = cost.prefill_model();
-    let steps = steps_alone(tokens, step, &model) as f64;
+    let (small, wide) = steps_alone(tokens, step, &cost.prefill_model());
     let t = tokens as f64;
-    steps * cost.prefill.fixed_ms + cost.prefill.per_token_ms * t + cost.prefill.per_pair_us * t * t / 2.0 / 1e3
+    let extra = cost.wide.map(|w| w.extra_ms).unwrap_or(0.0);
+    cost.prefill.per_prompt_ms
+        + (small + wide) as f64 * cost.prefill.fixed_ms
+        + wide as f64 * extra
+        + cost.prefill.per_token_ms * t
+        + cost.prefill.per_pair_us * t * t / 2.0 / 1e3
 }
 
-/// Fits the prefill coefficients to (tokens, ms) with the planner's step counts.
-fn fit_prefill(points: &[(usize, f64)], step: &StepConfig) -> anyhow::Result<PrefillCost> {
+/// Fits the prefill coefficients to (tokens, ms) with the planner's step counts: a setup cost
+/// per prompt (told apart from the per-step cost by prompts of several chunks), a fixed cost
+/// per step, and more per step wider than SMALL_ROWS when some prompts were that short.
+fn fit_prefill(points: &[(usize, f64)], step: &StepConfig) -> anyhow::Result<(PrefillCost, Option<WideForward>)> {
     let mut cost = pd_prefill::step::CostModel::default();
+    let split = points.iter().any(|&(n, _)| n <= SMALL_ROWS) && points.iter().any(|&(n, _)| n > SMALL_ROWS);
+    let multi = points.iter().any(|&(n, _)| n > step.max_chunk);
+    let (mut wide, mut per_prompt) = (None, 0.0);
     for _ in 0..3 {
         let rows: Vec<(Vec<f64>, f64)> = points
             .iter()
             .map(|&(n, ms)| {
                 let t = n as f64;
-                (vec![steps_alone(n, step, &cost) as f64, t, t * t / 2.0 / 1e3], ms)
+                let (small, wide) = steps_alone(n, step, &cost);
+                let mut x = if multi { vec![1.0] } else { vec![] };
+                x.extend(if split { vec![small as f64, wide as f64] } else { vec![(small + wide) as f64] });
+                x.extend([t, t * t / 2.0 / 1e3]);
+                (x, ms)
             })
             .collect();
         let c = fit_non_negative(&rows).ok_or_else(|| anyhow::anyhow!("prefill fit: too few or unusable points"))?;
-        cost = pd_prefill::step::CostModel { fixed_ms: c[0], per_token_ms: c[1], per_pair_us: c[2], scale: 1.0 };
+        let c = if multi {
+            per_prompt = c[0];
+            &c[1..]
+        } else {
+            &c[..]
+        };
+        let (fixed, rest) = if split {
+            wide = Some(WideForward { rows: SMALL_ROWS, extra_ms: (c[1] - c[0]).max(0.0) });
+            (c[0], &c[2..])
+        } else {
+            (c[0], &c[1..])
+        };
+        cost = pd_prefill::step::CostModel { fixed_ms: fixed, per_token_ms: rest[0], per_pair_us: rest[1], scale: 1.0 };
     }
-    Ok(PrefillCost { fixed_ms: cost.fixed_ms, per_token_ms: cost.per_token_ms, per_pair_us: cost.per_pair_us })
+    let prefill = PrefillCost {
+        fixed_ms: cost.fixed_ms,
+        per_token_ms: cost.per_token_ms,
+        per_pair_us: cost.per_pair_us,
+        per_prompt_ms: per_prompt,
+    };
+    Ok((prefill, wide))
 }
 
 /// Median step time while all of a cell's streams generate, and their summed context then.
@@ -213,8 +252,10 @@ pub async fn run(prefill_addr: &str, decode_addr: &str, p: &Plan) -> anyhow::Res
             "profile: prefill {n} tokens: {:.1} ms, KV commit {:.1} ms",
             o.prefill.prefill_ms, o.prefill.kv_commit_ms
         );
-        let uncached = n - o.prefill.cached_tokens as usize;
-        bytes_per_token.push(o.prefill.kv_bytes as f64 / uncached.max(1) as f64);
+        // Whole blocks move (a prompt's last block too, however full).
+        let block = load.block_size.max(1) as usize;
+        let shipped = (n - o.prefill.cached_tokens as usize).div_ceil(block) * block;
+        bytes_per_token.push(o.prefill.kv_bytes as f64 / shipped.max(1) as f64);
         kv_rows.push((vec![1.0, o.prefill.kv_bytes as f64 / 1e6], o.prefill.kv_commit_ms.max(1e-3)));
         prefill_points.push(PrefillPoint {
             tokens: n,
@@ -225,7 +266,7 @@ pub async fn run(prefill_addr: &str, decode_addr: &str, p: &Plan) -> anyhow::Res
         });
     }
     let fit_rows: Vec<(usize, f64)> = prefill_points.iter().map(|q| (q.tokens, q.prefill_ms)).collect();
-    let prefill_cost = fit_prefill(&fit_rows, &p.step)?;
+    let (prefill_cost, wide) = fit_prefill(&fit_rows, &p.step)?;
     let mut decode_points = Vec::new();
     for &c in &p.contexts {
         for &b in &p.batches {
@@ -271,6 +312,7 @@ pub async fn run(prefill_addr: &str, decode_addr: &str, p: &Plan) -> anyhow::Res
             max_batch: load.max_batch,
             max_position: p.max_position,
         },
+        wide,
     };
     cost.validate()?;
     Ok(score(cost, prefill_points, decode_points, &p.step))
@@ -300,16 +342,19 @@ mod tests {
         let step = StepConfig::single(256);
         let truth = WorkerCost {
             source: String::new(),
-            prefill: PrefillCost { fixed_ms: 15.0, per_token_ms: 2.5, per_pair_us: 1.5 },
+            prefill: PrefillCost { fixed_ms: 15.0, per_token_ms: 2.5, per_pair_us: 1.5, per_prompt_ms: 25.0 },
             decode: DecodeCost { fixed_ms: 1.0, per_row_ms: 1.0, per_context_us: 1.0 },
             kv: KvCost { bytes_per_token: 1, commit_fixed_ms: 0.0, commit_ms_per_mb: 0.0 },
             worker: WorkerShape { block_size: 16, kv_blocks: 1, max_batch: 1, max_position: 4096 },
+            wide: Some(WideForward { rows: SMALL_ROWS, extra_ms: 60.0 }),
         };
         let points: Vec<(usize, f64)> =
-            [32, 128, 512, 1024, 2048].iter().map(|&n| (n, predict_prefill(&truth, n, &step))).collect();
-        let got = fit_prefill(&points, &step).expect("fit");
+            [8, 16, 32, 128, 512, 1024, 2048].iter().map(|&n| (n, predict_prefill(&truth, n, &step))).collect();
+        let (got, wide) = fit_prefill(&points, &step).expect("fit");
+        assert!((wide.expect("wide").extra_ms - 60.0).abs() < 1e-6, "{wide:?}");
         assert!((got.fixed_ms - 15.0).abs() < 1e-6 && (got.per_token_ms - 2.5).abs() < 1e-6, "{got:?}");
         assert!((got.per_pair_us - 1.5).abs() < 1e-6, "{got:?}");
+        assert!((got.per_prompt_ms - 25.0).abs() < 1e-6, "{got:?}");
     }
 
     #[test]

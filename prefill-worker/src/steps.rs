@@ -288,8 +288,9 @@ impl Loop {
     }
 }
 
-/// Tokens/s of a step of 256 prompt tokens at no context, as the cost model predicts it.
-fn short_prompt_rate(cost: &CostModel) -> f64 {
+/// Prompt tokens per second on short prompts (a 256-token chunk at no context) by `cost`: what
+/// a prefill worker reports in `Load` as its drain rate.
+pub fn short_prompt_rate(cost: &CostModel) -> f64 {
     const TOKENS: usize = 256;
     TOKENS as f64 / cost.predict(&[(TOKENS, 0)]).as_secs_f64().max(1e-6)
 }

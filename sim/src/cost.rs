@@ -20,15 +20,29 @@ pub struct WorkerCost {
     pub decode: DecodeCost,
     pub kv: KvCost,
     pub worker: WorkerShape,
+    /// A forward over more rows than `rows` costs `extra_ms` more (on the CPU engine the
+    /// small-batch kernel ends at 16 rows; wider forwards convert the f16 weights first).
+    #[serde(default)]
+    pub wide: Option<WideForward>,
+}
+
+/// The step-cost jump of forwards wider than `rows` rows.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct WideForward {
+    pub rows: usize,
+    pub extra_ms: f64,
 }
 
 /// Prefill step time: `fixed_ms + per_token_ms * t + per_pair_us * t * (ctx + t/2) / 1000`
-/// per chunk of `t` tokens after `ctx` computed ones.
+/// per chunk of `t` tokens after `ctx` computed ones, plus `per_prompt_ms` for each prompt
+/// whose first chunk runs in the step (its setup).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct PrefillCost {
     pub fixed_ms: f64,
     pub per_token_ms: f64,
     pub per_pair_us: f64,
+    #[serde(default)]
+    pub per_prompt_ms: f64,
 }
 
 /// Decode step time: `fixed_ms + per_row_ms * rows + per_context_us * (sum of the rows'
@@ -87,6 +101,7 @@ impl WorkerCost {
             ("prefill.fixed_ms", self.prefill.fixed_ms),
             ("prefill.per_token_ms", self.prefill.per_token_ms),
             ("prefill.per_pair_us", self.prefill.per_pair_us),
+            ("prefill.per_prompt_ms", self.prefill.per_prompt_ms),
             ("decode.fixed_ms", self.decode.fixed_ms),
             ("decode.per_row_ms", self.decode.per_row_ms),
             ("decode.per_context_us", self.decode.per_context_us),
@@ -122,26 +137,62 @@ impl WorkerCost {
         }
     }
 
+    /// What a forward over `rows` rows adds for being wide.
+    fn wide_ms(&self, rows: usize) -> f64 {
+        self.wide.filter(|w| rows > w.rows).map(|w| w.extra_ms).unwrap_or(0.0)
+    }
+
+    /// Time of one prefill step over `chunks` (tokens, context before them; context 0 is a
+    /// prompt's first chunk).
+    pub fn prefill_step_ms(&self, chunks: &[(usize, usize)]) -> f64 {
+        let rows = chunks.iter().map(|c| c.0).sum();
+        let first = chunks.iter().filter(|c| c.1 == 0).count() as f64;
+        self.prefill_model().predict(chunks).as_secs_f64() * 1e3
+            + self.wide_ms(rows)
+            + first * self.prefill.per_prompt_ms
+    }
+
     /// Time of one decode step: `rows` generating rows over `context` tokens in all, plus
     /// prompt `chunks` (tokens, context before them) computed in the same step.
     pub fn decode_step_ms(&self, rows: usize, context: usize, chunks: &[(usize, usize)]) -> f64 {
         let d = &self.decode;
-        let mut ms = d.fixed_ms + d.per_row_ms * rows as f64 + d.per_context_us * context as f64 / 1e3;
+        let width = rows + chunks.iter().map(|c| c.0).sum::<usize>();
+        let mut ms =
+            d.fixed_ms + d.per_row_ms * rows as f64 + d.per_context_us * context as f64 / 1e3 + self.wide_ms(width);
         for &(t, ctx) in chunks {
             let pairs = t as f64 * (ctx as f64 + t as f64 / 2.0);
             ms += self.prefill.per_token_ms * t as f64 + self.prefill.per_pair_us * pairs / 1e3;
+            if ctx == 0 {
+                ms += self.prefill.per_prompt_ms;
+            }
         }
         ms
     }
 
     /// Time of a whole prompt of `tokens` prefilled alone in chunks of at most `chunk`.
     pub fn prefill_alone_ms(&self, tokens: usize, chunk: usize) -> f64 {
-        let model = self.prefill_model();
         let (mut done, mut ms) = (0, 0.0);
         while done < tokens {
             let t = (tokens - done).min(chunk.max(1));
-            ms += model.predict(&[(t, done)]).as_secs_f64() * 1e3;
+            ms += self.prefill_step_ms(&[(t, done)]);
             done += t;
+        }
+        ms
+    }
+
+    /// Time of a whole prompt of `tokens` prefilled alone by a worker planning its steps with
+    /// `step` (the real planner, planning with this model): what a prompt costs in service,
+    /// where a step target smaller than a whole chunk makes more, smaller steps.
+    pub fn prefill_planned_ms(&self, tokens: usize, step: &pd_prefill::step::StepConfig) -> f64 {
+        use pd_prefill::step::{plan, Candidate};
+        let model = self.prefill_model();
+        let (mut done, mut ms, mut steps) = (0, 0.0, 0);
+        while done < tokens && steps < 1_000_000 {
+            let c = Candidate { remaining: tokens - done, done, len: tokens, waited: std::time::Duration::ZERO };
+            let t = plan(&[c], step, &model).first().map(|&(_, t)| t).unwrap_or(tokens - done).clamp(1, tokens - done);
+            ms += self.prefill_step_ms(&[(t, done)]);
+            done += t;
+            steps += 1;
         }
         ms
     }
@@ -165,10 +216,11 @@ mod tests {
     pub(crate) fn sample() -> WorkerCost {
         WorkerCost {
             source: "test".into(),
-            prefill: PrefillCost { fixed_ms: 20.0, per_token_ms: 2.0, per_pair_us: 1.0 },
+            prefill: PrefillCost { fixed_ms: 20.0, per_token_ms: 2.0, per_pair_us: 1.0, per_prompt_ms: 0.0 },
             decode: DecodeCost { fixed_ms: 10.0, per_row_ms: 0.5, per_context_us: 2.0 },
             kv: KvCost { bytes_per_token: 1_000_000, commit_fixed_ms: 1.0, commit_ms_per_mb: 0.5 },
             worker: WorkerShape { block_size: 16, kv_blocks: 100, max_batch: 8, max_position: 2048 },
+            wide: None,
         }
     }
 
@@ -187,6 +239,14 @@ mod tests {
         // Two chunks of 100: 2 * 20 + 2 * 200 + 1 * 200 * 200 / 2 / 1000 = 460 ms.
         assert!((c.prefill_alone_ms(200, 100) - 460.0).abs() < 1e-6);
         assert!((c.kv_commit_ms(3) - 2.5).abs() < 1e-9);
+        // Wider than 16 rows: 50 ms more per step, in prefill and in decode (rows + chunks).
+        let w = WorkerCost { wide: Some(WideForward { rows: 16, extra_ms: 50.0 }), ..c.clone() };
+        assert!((w.prefill_alone_ms(200, 100) - 560.0).abs() < 1e-6);
+        assert!((w.prefill_step_ms(&[(16, 0)]) - c.prefill_step_ms(&[(16, 0)])).abs() < 1e-9);
+        assert!((w.decode_step_ms(4, 1000, &[(13, 0)]) - c.decode_step_ms(4, 1000, &[(13, 0)]) - 50.0).abs() < 1e-9);
+        // A prompt's setup is paid once, in the step of its first chunk.
+        let p = WorkerCost { prefill: PrefillCost { per_prompt_ms: 7.0, ..c.prefill }, ..c.clone() };
+        assert!((p.prefill_alone_ms(200, 100) - c.prefill_alone_ms(200, 100) - 7.0).abs() < 1e-9);
         assert_eq!(c.blocks_for(17), 2);
     }
 

@@ -1,18 +1,21 @@
 //! A simulated prefill worker: the real `pd.v1.PrefillWorker` service with no model. Prompts
-//! are planned into steps by the real prefill worker's planner (`pd_prefill::step::plan`,
-//! request-parallel chunks, shortest remaining first, at most one long prompt per step) and
-//! each step lasts what the cost model predicts. A finished prompt's KV goes to the decode
+//! are planned into steps as the real prefill worker plans them: the same planner
+//! (`pd_prefill::step::plan`: request-parallel chunks, shortest remaining first, at most one
+//! long prompt per step) with the same planning model, which starts at the real worker's
+//! default and learns its scale from every step's time exactly as the real one does. Each
+//! step lasts what the worker's cost model (the measured truth) predicts. A finished prompt's KV goes to the decode
 //! worker's KvTransfer endpoint as the real protocol's control messages (header, then commit
 //! after the cost model's hand-off time, no frames), and the response carries the same
 //! timings as the real worker's. `Load` reports waiting tokens, running and queued prefills
 //! and the short-prompt rate the real worker reports.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pd_prefill::step::{plan, Candidate, CostModel, StepConfig};
+use pd_prefill::steps::short_prompt_rate;
 use pd_proto::v1 as pb;
 use tokio::sync::{mpsc, oneshot, Notify};
 use tonic::transport::Channel;
@@ -49,8 +52,9 @@ struct State {
 #[derive(Clone)]
 pub struct SimPrefill {
     cost: Arc<WorkerCost>,
-    model: CostModel,
     step: StepConfig,
+    /// `short_prompt_rate` of the planning model (f64 bits), for `Load`.
+    rate: Arc<AtomicU64>,
     state: Arc<Mutex<State>>,
     wake: Arc<Notify>,
     channels: Arc<Mutex<HashMap<String, KvClient>>>,
@@ -61,9 +65,9 @@ impl SimPrefill {
     /// A worker planning with `step`; its step loop runs on the current tokio runtime.
     pub fn start(cost: Arc<WorkerCost>, step: StepConfig) -> Self {
         let worker = SimPrefill {
-            model: cost.prefill_model(),
             cost,
             step,
+            rate: Arc::new(AtomicU64::new(short_prompt_rate(&CostModel::default()).to_bits())),
             state: Arc::default(),
             wake: Arc::new(Notify::new()),
             channels: Arc::default(),
@@ -92,8 +96,9 @@ impl SimPrefill {
     }
 
     async fn step_loop(self) {
+        let mut planner = CostModel::default();
         loop {
-            let (chosen, ms) = {
+            let (chosen, chunks) = {
                 let s = self.lock();
                 let now = Instant::now();
                 let cands: Vec<Candidate> = s
@@ -106,17 +111,20 @@ impl SimPrefill {
                         waited: now.duration_since(j.last_turn),
                     })
                     .collect();
-                let picked = plan(&cands, &self.step, &self.model);
+                let picked = plan(&cands, &self.step, &planner);
                 let chunks: Vec<(usize, usize)> = picked.iter().map(|&(i, t)| (t, cands[i].done)).collect();
                 let chosen: Vec<(u64, usize)> = picked.iter().map(|&(i, t)| (s.jobs[i].id, t)).collect();
-                (chosen, self.model.predict(&chunks))
+                (chosen, chunks)
             };
             if chosen.is_empty() {
                 self.wake.notified().await;
                 continue;
             }
             let started = Instant::now();
-            tokio::time::sleep(ms).await;
+            let took = Duration::from_secs_f64(self.cost.prefill_step_ms(&chunks) / 1e3);
+            tokio::time::sleep(took).await;
+            planner.observe(&chunks, took);
+            self.rate.store(short_prompt_rate(&planner).to_bits(), Ordering::Relaxed);
             self.apply_step(&chosen, started);
         }
     }
@@ -235,13 +243,11 @@ impl pb::prefill_worker_server::PrefillWorker for SimPrefill {
         let s = self.lock();
         let waiting: usize = s.jobs.iter().map(|j| j.len - j.done).sum();
         let running = s.jobs.iter().filter(|j| j.done > 0).count();
-        // What the real worker reports: its rate on short prompts (a 128-token chunk).
-        let short = self.model.predict(&[(128, 0)]).as_secs_f64();
         Ok(Response::new(pb::PrefillLoad {
             waiting_prefill_tokens: waiting as u64,
             running_prefills: running as u32,
             queued_prefills: (s.jobs.len() - running) as u32,
-            prefill_tokens_per_s: if short > 0.0 { 128.0 / short } else { 0.0 },
+            prefill_tokens_per_s: f64::from_bits(self.rate.load(Ordering::Relaxed)),
             max_partial_prefills: self.step.max_prompts as u32,
             cache: None,
         }))

@@ -133,6 +133,7 @@ pub fn roofline(hw: &Hardware, m: &ModelShape, block_size: u32, max_batch: u32) 
             fixed_ms: weights / bandwidth * 1e3,
             per_token_ms: 2.0 * m.params / flops * 1e3,
             per_pair_us: attention_flops / flops * 1e6,
+            per_prompt_ms: 0.0,
         },
         decode: DecodeCost {
             fixed_ms: weights / bandwidth * 1e3,
@@ -145,6 +146,7 @@ pub fn roofline(hw: &Hardware, m: &ModelShape, block_size: u32, max_batch: u32) 
             commit_ms_per_mb: 1e6 / f64::from(m.layers) / link * 1e3,
         },
         worker: WorkerShape { block_size, kv_blocks, max_batch, max_position: m.max_position },
+        wide: None,
     })
 }
 

@@ -132,7 +132,7 @@ enum Command {
         decode: String,
         #[arg(long)]
         out: PathBuf,
-        #[arg(long, value_delimiter = ',', default_value = "32,128,512,1024,2048")]
+        #[arg(long, value_delimiter = ',', default_value = "8,16,32,64,128,512,1024,2048")]
         prefill_lengths: Vec<usize>,
         #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
         batches: Vec<usize>,
@@ -144,11 +144,12 @@ enum Command {
         #[arg(long, default_value_t = 8192)]
         max_position: u32,
         /// The prefill worker's --step-target-ms and --chunk (to count its steps). Profile a
-        /// prefill worker started with a step target this large (60 s), so that a lone prompt
-        /// goes in whole --chunk chunks and the fit sees each chunk's cost.
+        /// prefill worker started with a step target this large (60 s) and --chunk 128, so
+        /// that a lone prompt goes in whole 128-token chunks (the size steps have in service)
+        /// and the fit tells a prompt's setup from a step's fixed cost.
         #[arg(long, default_value_t = 60_000)]
         step_target_ms: u64,
-        #[arg(long, default_value_t = 512)]
+        #[arg(long, default_value_t = 128)]
         chunk: usize,
         /// Named in the cost model's source.
         #[arg(long, default_value = "this machine")]
@@ -183,9 +184,11 @@ enum Command {
         prefill_utilization: f64,
         #[arg(long, default_value_t = 0.8)]
         decode_utilization: f64,
-        /// The prefill workers' --chunk.
+        /// The prefill workers' --chunk and --step-target-ms.
         #[arg(long, default_value_t = 512)]
         chunk: usize,
+        #[arg(long, default_value_t = 150)]
+        step_target_ms: u64,
     },
     /// A cost model from a roofline: named hardware (h100, h200) and model (llama-8b,
     /// llama-70b, smollm2-135m), with the efficiencies assumed.
@@ -360,8 +363,10 @@ async fn main() -> anyhow::Result<()> {
             prefill_utilization,
             decode_utilization,
             chunk,
+            step_target_ms,
         } => {
             use pd_bench::plan::{self, traffic::Traffic, PlanConfig, Targets};
+            anyhow::ensure!(chunk > 0 && step_target_ms > 0, "--chunk and --step-target-ms must be at least 1");
             let cost = pd_sim::cost::WorkerCost::load(&cost.to_string_lossy())?;
             let mut cfg = PlanConfig {
                 window_s,
@@ -369,7 +374,11 @@ async fn main() -> anyhow::Result<()> {
                 spare,
                 prefill_utilization,
                 decode_utilization,
-                chunk,
+                step: pd_prefill::step::StepConfig {
+                    max_chunk: chunk,
+                    target: Duration::from_millis(step_target_ms),
+                    ..plan::default_step()
+                },
                 ..PlanConfig::default()
             };
             cfg.slos.insert("interactive".into(), Targets { ttft_ms: 1500.0, itl_ms: 100.0 });

@@ -5,8 +5,8 @@
 //!    tokens/s and output tokens/s of first sendings (retries after a 429 are counted apart and
 //!    add no demand; refused first sendings do: their demand was real).
 //! 2. **Prefill pool**: the work of a window is the sum of each prompt's compute time alone on
-//!    one worker (`prefill_alone_ms` of its uncached tokens), per second of window: that many
-//!    workers are busy all the time. Replicas = (peak work + growth over the scale-out time) /
+//!    one worker (its uncached tokens in the steps the real planner makes of them at the
+//!    workers' step target), per second of window: that many workers are busy all the time. Replicas = (peak work + growth over the scale-out time) /
 //!    target utilization, rounded up, plus the spare replicas kept for a loss.
 //! 3. **Decode pool**: the most rows a step may hold is the largest batch whose step time stays
 //!    under the tightest ITL SLO at the traffic's mean context, and whose reservations (prompt +
@@ -23,8 +23,23 @@ pub mod traffic;
 
 use std::collections::BTreeMap;
 
+use pd_prefill::step::StepConfig;
 use pd_sim::cost::WorkerCost;
 use serde::Serialize;
+
+/// The prefill worker's default flags (`pd-prefill --help`).
+pub fn default_step() -> StepConfig {
+    StepConfig {
+        max_prompts: 4,
+        max_long: 1,
+        long_threshold: 512,
+        target: std::time::Duration::from_millis(150),
+        min_chunk: 16,
+        short_chunk: 128,
+        max_chunk: 512,
+        max_wait: std::time::Duration::from_secs(2),
+    }
+}
 
 use crate::loadgen::stats::{RequestSample, Summary};
 
@@ -50,8 +65,9 @@ pub struct PlanConfig {
     pub scale_out_s: f64,
     /// Replicas kept spare per pool for the loss of one.
     pub spare: u32,
-    /// The prefill workers' --chunk.
-    pub chunk: usize,
+    /// The prefill workers' step policy (their flags): a prompt costs the steps the real
+    /// planner makes of it.
+    pub step: StepConfig,
 }
 
 impl Default for PlanConfig {
@@ -64,7 +80,7 @@ impl Default for PlanConfig {
             decode_utilization: 0.8,
             scale_out_s: 120.0,
             spare: 1,
-            chunk: 512,
+            step: default_step(),
         }
     }
 }
@@ -225,7 +241,7 @@ fn windows(firsts: &[&RequestSample], duration_s: f64, cost: &WorkerCost, cfg: &
         *w.input_tok_s.entry(r.class.clone()).or_default() += r.input_tokens as f64 / span;
         *w.output_tok_s.entry(r.class.clone()).or_default() += output_of(r) as f64 / span;
         w.output_total_tok_s += output_of(r) as f64 / span;
-        w.prefill_work += cost.prefill_alone_ms(uncached(r), cfg.chunk) / 1e3 / span;
+        w.prefill_work += cost.prefill_planned_ms(uncached(r), &cfg.step) / 1e3 / span;
     }
     out
 }
@@ -389,7 +405,7 @@ fn class_rows(
             let output = Dist::of(&mine.iter().map(|r| output_of(r) as f64).collect::<Vec<_>>());
             let target = slo(class);
             let p95_in = input.p95.unwrap_or(0.0) as usize;
-            let idle_ttft = cost.prefill_alone_ms(p95_in, cfg.chunk) + cost.kv_commit_ms(p95_in);
+            let idle_ttft = cost.prefill_planned_ms(p95_in, &cfg.step) + cost.kv_commit_ms(p95_in);
             if idle_ttft > target.ttft_ms {
                 warnings.push(format!(
                     "{class}: its p95 prompt ({p95_in} tokens) takes {idle_ttft:.0} ms on an idle prefill worker, over its TTFT SLO of {} ms",
@@ -426,9 +442,9 @@ fn keda(cost: &WorkerCost, cfg: &PlanConfig, rows: &[ClassRow], batch: &DecodeBa
     let (budget_ms, mean_in) = tight
         .map(|r| (((r.target.ttft_ms - r.idle_ttft_p95_ms) / 2.0).max(0.0), r.input_tokens.mean.max(1.0)))
         .unwrap_or((0.0, 1.0));
-    let tok_per_ms = mean_in / cost.prefill_alone_ms(mean_in as usize, cfg.chunk).max(1e-9);
+    let tok_per_ms = mean_in / cost.prefill_planned_ms(mean_in as usize, &cfg.step).max(1e-9);
     Keda {
-        prefill_waiting_tokens: ((budget_ms * tok_per_ms) as u64).max(cfg.chunk as u64),
+        prefill_waiting_tokens: ((budget_ms * tok_per_ms) as u64).max(cfg.step.max_chunk as u64),
         prefill_queue_age_s: budget_ms / 1e3,
         decode_running_sequences: ((batch.planned as f64 * cfg.decode_utilization).floor() as u64).max(1),
         decode_kv_usage: (batch.planned as f64 * batch.blocks_per_sequence as f64 / f64::from(cost.worker.kv_blocks)

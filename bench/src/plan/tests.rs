@@ -8,10 +8,11 @@ use pd_sim::cost::{DecodeCost, KvCost, PrefillCost, WorkerShape};
 fn cost(kv_blocks: u32) -> WorkerCost {
     WorkerCost {
         source: "hand".into(),
-        prefill: PrefillCost { fixed_ms: 0.0, per_token_ms: 10.0, per_pair_us: 0.0 },
+        prefill: PrefillCost { fixed_ms: 0.0, per_token_ms: 10.0, per_pair_us: 0.0, per_prompt_ms: 0.0 },
         decode: DecodeCost { fixed_ms: 10.0, per_row_ms: 0.0, per_context_us: 0.0 },
         kv: KvCost { bytes_per_token: 1000, commit_fixed_ms: 0.0, commit_ms_per_mb: 0.0 },
         worker: WorkerShape { block_size: 16, kv_blocks, max_batch: 8, max_position: 4096 },
+        wide: None,
     }
 }
 
