@@ -221,6 +221,11 @@ impl SimDecode {
             s.free_blocks += seq.blocks;
             return;
         }
+        if seq.generated >= seq.max_tokens {
+            let _ = seq.events.send(Ok(finished(&seq)));
+            s.free_blocks += seq.blocks;
+            return;
+        }
         s.running.push(seq);
         drop(s);
         self.wake.notify_one();
@@ -292,6 +297,9 @@ impl SimDecode {
 
 /// One sequence's part of a step: a prompt chunk, or one token.
 fn step_one(q: &mut Seq, budget: &mut usize, ms: f64) {
+    if q.generated >= q.max_tokens {
+        return;
+    }
     if q.prompt_left > 0 {
         let t = q.prompt_left.min(*budget);
         *budget -= t;

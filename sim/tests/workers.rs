@@ -1,0 +1,146 @@
+//! Simulated workers over real gRPC, driven as the router drives them: a decode reservation,
+//! a prefill into its target, the stream to its end; the blocks come back in every case
+//! (finished, refused, lease expired, lost worker), and bad requests are refused by name.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pd_prefill::step::StepConfig;
+use pd_proto::v1 as pb;
+use pd_sim::cost::{DecodeCost, KvCost, PrefillCost, WorkerCost, WorkerShape};
+use pd_sim::fleet::{Fleet, Role};
+use tonic::transport::Channel;
+
+type Decode = pb::decode_worker_client::DecodeWorkerClient<Channel>;
+type Prefill = pb::prefill_worker_client::PrefillWorkerClient<Channel>;
+
+fn cost(kv_blocks: u32) -> Arc<WorkerCost> {
+    Arc::new(WorkerCost {
+        source: "test".into(),
+        prefill: PrefillCost { fixed_ms: 2.0, per_token_ms: 0.01, per_pair_us: 0.0, per_prompt_ms: 0.0 },
+        decode: DecodeCost { fixed_ms: 2.0, per_row_ms: 0.0, per_context_us: 0.0 },
+        kv: KvCost { bytes_per_token: 100, commit_fixed_ms: 0.0, commit_ms_per_mb: 0.0 },
+        worker: WorkerShape { block_size: 16, kv_blocks, max_batch: 8, max_position: 4096 },
+        wide: None,
+    })
+}
+
+async fn fleet(kv_blocks: u32) -> (Fleet, Decode, Prefill) {
+    let fleet = Fleet::start(cost(kv_blocks), StepConfig::single(512), "127.0.0.1", 1, 1).await.expect("fleet");
+    let decode = Decode::connect(format!("http://{}", fleet.decode_addrs[0])).await.expect("decode");
+    let prefill = Prefill::connect(format!("http://{}", fleet.prefill_addrs[0])).await.expect("prefill");
+    (fleet, decode, prefill)
+}
+
+fn request(id: &str, prompt: usize, max_tokens: u32, lease_ms: u32) -> pb::DecodeRequest {
+    pb::DecodeRequest {
+        request_id: id.into(),
+        prompt_tokens: vec![7; prompt],
+        sampling: Some(pb::SamplingParams { max_tokens, ..Default::default() }),
+        lease_ms,
+        prefill_here: false,
+    }
+}
+
+async fn free_blocks(decode: &mut Decode) -> u32 {
+    decode.load(pb::LoadRequest::default()).await.expect("load").into_inner().free_blocks
+}
+
+/// Reserve, prefill, read the stream: (tokens, finished).
+async fn generate(
+    decode: &mut Decode,
+    prefill: &mut Prefill,
+    req: pb::DecodeRequest,
+) -> (Vec<u32>, Option<pb::Finished>) {
+    let mut stream = decode.generate(req.clone()).await.expect("generate").into_inner();
+    let Some(pb::decode_event::Event::Target(target)) = stream.message().await.expect("event").and_then(|e| e.event)
+    else {
+        panic!("the first event is not a KV target")
+    };
+    let p = pb::PrefillRequest {
+        request_id: req.request_id,
+        prompt_tokens: req.prompt_tokens,
+        target: Some(target),
+        sampling: req.sampling,
+    };
+    let answer = prefill.prefill(p).await.expect("prefill").into_inner();
+    assert_eq!(answer.first_token, pd_sim::FIRST_TOKEN);
+    let (mut tokens, mut finished) = (Vec::new(), None);
+    while let Some(e) = stream.message().await.expect("event") {
+        match e.event {
+            Some(pb::decode_event::Event::Token(t)) => tokens.push(t.token_id),
+            Some(pb::decode_event::Event::Finished(f)) => finished = Some(f),
+            _ => {}
+        }
+    }
+    (tokens, finished)
+}
+
+#[tokio::test]
+async fn a_request_gets_exactly_its_tokens_and_gives_its_blocks_back() {
+    let (_fleet, mut decode, mut prefill) = fleet(64).await;
+    for (i, max) in [1u32, 5].into_iter().enumerate() {
+        let (tokens, finished) = generate(&mut decode, &mut prefill, request(&format!("r{i}"), 40, max, 0)).await;
+        assert_eq!(tokens.len(), max as usize, "{tokens:?}");
+        assert_eq!(tokens[0], pd_sim::FIRST_TOKEN, "the first token is the prefill worker's");
+        let f = finished.expect("finished");
+        assert_eq!((f.completion_tokens, f.prompt_tokens, f.kv_bytes), (max, 40, 4000));
+    }
+    assert_eq!(free_blocks(&mut decode).await, 64);
+}
+
+#[tokio::test]
+async fn refusals_name_the_problem_and_hold_nothing() {
+    let (_fleet, mut decode, _prefill) = fleet(4).await;
+    let e = decode.generate(request("big", 60, 10, 0)).await.expect_err("5 blocks of 4");
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted);
+    assert!(e.message().contains("5 needed, 4 free"), "{}", e.message());
+    let e = decode.generate(request("", 4, 1, 0)).await.expect_err("no id");
+    assert!(e.message().contains("request_id"), "{}", e.message());
+    let e = decode.generate(request("zero", 4, 0, 0)).await.expect_err("no tokens");
+    assert!(e.message().contains("max_tokens"), "{}", e.message());
+    let e = decode.generate(request("long", 4000, 200, 0)).await.expect_err("too long");
+    assert!(e.message().contains("context length"), "{}", e.message());
+    assert_eq!(free_blocks(&mut decode).await, 4);
+}
+
+#[tokio::test]
+async fn a_lease_that_ends_before_the_commit_frees_the_reservation() {
+    let (_fleet, mut decode, _prefill) = fleet(16).await;
+    let mut stream = decode.generate(request("late", 20, 4, 100)).await.expect("generate").into_inner();
+    assert!(matches!(
+        stream.message().await.expect("target").and_then(|e| e.event),
+        Some(pb::decode_event::Event::Target(_))
+    ));
+    assert_eq!(free_blocks(&mut decode).await, 14);
+    let e = stream.message().await.expect_err("the lease ends");
+    assert_eq!(e.code(), tonic::Code::DeadlineExceeded);
+    assert_eq!(free_blocks(&mut decode).await, 16);
+}
+
+#[tokio::test]
+async fn a_lost_worker_ends_its_streams_unfinished_and_refuses_everything() {
+    let (fleet, mut decode, mut prefill) = fleet(64).await;
+    let mut stream = decode.generate(request("lost", 20, 1000, 0)).await.expect("generate").into_inner();
+    let Some(pb::decode_event::Event::Target(target)) = stream.message().await.expect("event").and_then(|e| e.event)
+    else {
+        panic!("no target")
+    };
+    let p = pb::PrefillRequest {
+        request_id: "lost".into(),
+        prompt_tokens: vec![7; 20],
+        target: Some(target),
+        sampling: None,
+    };
+    prefill.prefill(p).await.expect("prefill");
+    assert!(stream.message().await.expect("first token").is_some());
+    assert!(fleet.lose(Role::Decode, 0));
+    let mut finished = false;
+    while let Ok(Some(e)) = tokio::time::timeout(Duration::from_secs(5), stream.message()).await.expect("ends") {
+        finished |= matches!(e.event, Some(pb::decode_event::Event::Finished(_)));
+    }
+    assert!(!finished, "a lost worker's stream must not look finished");
+    let e = decode.load(pb::LoadRequest::default()).await.expect_err("lost");
+    assert_eq!(e.code(), tonic::Code::Unavailable);
+    assert!(!fleet.lose(Role::Prefill, 3), "no such worker");
+}
