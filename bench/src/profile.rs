@@ -14,9 +14,9 @@
 //!
 //! The result is the cost model (JSON) plus every measured point and the fit's error on it.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use pd_prefill::step::{plan, Candidate, StepConfig};
+use pd_prefill::step::StepConfig;
 use pd_proto::v1 as pb;
 use pd_sim::cost::{DecodeCost, KvCost, PrefillCost, WideForward, WorkerCost, WorkerShape};
 use pd_sim::fit::fit_non_negative;
@@ -144,18 +144,9 @@ const SMALL_ROWS: usize = 16;
 /// Steps the real planner makes of a lone prompt of `tokens` under `model`: (steps of at
 /// most SMALL_ROWS tokens, wider steps).
 fn steps_alone(tokens: usize, step: &StepConfig, model: &pd_prefill::step::CostModel) -> (usize, usize) {
-    let (mut done, mut small, mut wide) = (0, 0, 0);
-    while done < tokens && small + wide < 100_000 {
-        let c = Candidate { remaining: tokens - done, done, len: tokens, waited: Duration::ZERO };
-        let chunk = plan(&[c], step, model).first().map(|&(_, t)| t).unwrap_or(tokens - done).max(1);
-        done += chunk;
-        if chunk <= SMALL_ROWS {
-            small += 1;
-        } else {
-            wide += 1;
-        }
-    }
-    (small, wide)
+    let chunks = pd_prefill::step::lone_chunks(tokens, step, model);
+    let small = chunks.iter().filter(|&&t| t <= SMALL_ROWS).count();
+    (small, chunks.len() - small)
 }
 
 fn predict_prefill(cost: &WorkerCost, tokens: usize, step: &StepConfig) -> f64 {

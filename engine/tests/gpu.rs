@@ -8,8 +8,8 @@
 
 mod common;
 
-use candle_core::{Device, Tensor};
-use common::{tiny_config, tiny_weights, MapSource};
+use candle_core::Device;
+use common::{max_diff, run_alone, tiny_config, tiny_weights, tokens, MapSource};
 use pd_engine::{BatchSeq, CacheConfig, KvCache, Model, SequenceKv, WeightFormat, WireDType};
 
 fn cuda() -> Option<Device> {
@@ -31,28 +31,6 @@ fn model_on(device: &Device, format: WeightFormat, seed: u64) -> Model {
 fn cache_on(model: &Model, device: &Device) -> KvCache {
     let config = CacheConfig { block_size: 4, num_blocks: 64, prefix_cache: false };
     KvCache::new(model.config(), &config, device).expect("cache")
-}
-
-fn tokens(n: usize, salt: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| (i * 7 + salt * 13 + 3) % 64).collect()
-}
-
-fn on_cpu(t: &Tensor) -> Tensor {
-    t.to_device(&Device::Cpu).expect("to cpu").to_dtype(candle_core::DType::F32).expect("f32")
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let (a, b) = (on_cpu(a), on_cpu(b));
-    (a - b).expect("same shape").abs().expect("abs").max_all().expect("max").to_scalar::<f32>().expect("scalar")
-}
-
-fn run_alone(model: &Model, cache: &KvCache, kv: &mut SequenceKv, chunks: &[&[u32]]) -> Tensor {
-    let mut last = None;
-    for chunk in chunks {
-        let out = model.forward(cache, &mut [BatchSeq { tokens: chunk, kv, want_logits: true }]).expect("forward");
-        last = Some(out.squeeze(0).expect("row"));
-    }
-    last.expect("at least one chunk")
 }
 
 #[test]

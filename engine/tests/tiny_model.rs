@@ -4,8 +4,8 @@
 
 mod common;
 
-use candle_core::{Device, Tensor};
-use common::{tiny_config, tiny_weights, write_gguf, write_hf_folder, MapSource};
+use candle_core::Device;
+use common::{max_diff, run_alone, tiny_config, tiny_weights, tokens, write_gguf, write_hf_folder, MapSource};
 use pd_engine::{
     load_model, BatchSeq, CacheConfig, EngineError, KvCache, LoadOptions, Model, SequenceKv, WeightFormat, WireDType,
 };
@@ -26,24 +26,6 @@ const DENSE: [WeightFormat; 2] = [WeightFormat::F32, WeightFormat::F16];
 fn cache_for(model: &Model, blocks: usize, block_size: usize) -> KvCache {
     KvCache::new(model.config(), &CacheConfig { block_size, num_blocks: blocks, prefix_cache: false }, &Device::Cpu)
         .expect("cache")
-}
-
-fn tokens(n: usize, salt: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| (i * 7 + salt * 13 + 3) % 64).collect()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b).expect("same shape").abs().expect("abs").max_all().expect("max").to_scalar::<f32>().expect("scalar")
-}
-
-/// Runs `chunks` one after another for one sequence; returns the logits after the last.
-fn run_alone(model: &Model, cache: &KvCache, kv: &mut SequenceKv, chunks: &[&[u32]]) -> Tensor {
-    let mut last = None;
-    for chunk in chunks {
-        let out = model.forward(cache, &mut [BatchSeq { tokens: chunk, kv, want_logits: true }]).expect("forward");
-        last = Some(out.squeeze(0).expect("row"));
-    }
-    last.expect("at least one chunk")
 }
 
 #[test]

@@ -24,30 +24,8 @@ struct Args {
     /// Weights in memory: f16, f32, q8, stored or wq (must match the decode workers').
     #[arg(long, default_value = "f16")]
     weights: WeightFormat,
-    /// Largest chunk of one prompt in one prefill step, in tokens.
-    #[arg(long, default_value_t = 512)]
-    chunk: usize,
-    /// Request-parallel prefill: most prompts in one step (vLLM's max_num_partial_prefills).
-    #[arg(long, env = "PD_MAX_PARTIAL_PREFILLS", default_value_t = 4)]
-    max_partial_prefills: usize,
-    /// Most long prompts in one step (max_long_partial_prefills).
-    #[arg(long, default_value_t = 1)]
-    max_long_partial_prefills: usize,
-    /// A prompt longer than this many tokens is long.
-    #[arg(long, default_value_t = 512)]
-    long_prefill_threshold: usize,
-    /// Target time of one step (milliseconds): the step's token budget is what the cost
-    /// model (tokens x context, corrected by measured steps) predicts fits in it; a short
-    /// prompt that arrives during a document waits about one step.
-    #[arg(long, env = "PD_STEP_TARGET_MS", default_value_t = 150)]
-    step_target_ms: u64,
-    /// The first prompt of a step gets at least this many tokens, whatever the budget.
-    #[arg(long, default_value_t = 16)]
-    min_chunk: usize,
-    /// A prompt of at most --long-prefill-threshold tokens gets at least this many tokens per
-    /// step whatever the budget (0: budget only).
-    #[arg(long, default_value_t = 128)]
-    short_chunk: usize,
+    #[command(flatten)]
+    step: pd_prefill::step::StepArgs,
     /// Turn off the prefix cache (every prompt computed and shipped from its first token).
     #[arg(long, env = "PD_NO_PREFIX_CACHE")]
     no_prefix_cache: bool,
@@ -57,10 +35,6 @@ struct Args {
     /// Longest wait on a decode worker's KV service, in milliseconds.
     #[arg(long, default_value_t = 5_000)]
     kv_timeout_ms: u64,
-    /// Steps take prompts shortest remaining first; one that has waited this long since its
-    /// last chunk (milliseconds) goes first instead, so long prompts progress.
-    #[arg(long, env = "PD_MAX_WAIT_MS", default_value_t = 2_000)]
-    max_wait_ms: u64,
     /// On SIGTERM, the longest wait for accepted prefills, in milliseconds.
     #[arg(long, env = "PD_GRACE_MS", default_value_t = 30_000)]
     grace_ms: u64,
@@ -94,25 +68,11 @@ fn main() -> anyhow::Result<()> {
 }
 
 fn config(args: &Args) -> anyhow::Result<pd_prefill::Config> {
-    anyhow::ensure!(args.chunk > 0, "--chunk must be at least 1");
-    anyhow::ensure!(args.max_partial_prefills > 0, "--max-partial-prefills must be at least 1");
-    anyhow::ensure!(args.max_long_partial_prefills > 0, "--max-long-partial-prefills must be at least 1");
-    anyhow::ensure!(args.min_chunk > 0, "--min-chunk must be at least 1");
-    anyhow::ensure!(args.step_target_ms > 0, "--step-target-ms must be at least 1");
     let config = pd_prefill::Config {
         model: args.model.clone(),
         load: LoadOptions { weights: args.weights, device: args.device },
         cache: CacheConfig { prefix_cache: !args.no_prefix_cache, ..CacheConfig::with_blocks(args.kv_blocks) },
-        step: pd_prefill::step::StepConfig {
-            max_prompts: args.max_partial_prefills,
-            max_long: args.max_long_partial_prefills,
-            long_threshold: args.long_prefill_threshold,
-            target: Duration::from_millis(args.step_target_ms),
-            min_chunk: args.min_chunk,
-            short_chunk: args.short_chunk,
-            max_chunk: args.chunk,
-            max_wait: Duration::from_millis(args.max_wait_ms),
-        },
+        step: args.step.config().map_err(anyhow::Error::msg)?,
         kv_timeout: Duration::from_millis(args.kv_timeout_ms),
         grace: Duration::from_millis(args.grace_ms),
         tls: args.tls.files().map_err(anyhow::Error::msg)?,

@@ -11,6 +11,9 @@
 
 use std::time::Duration;
 
+pub mod args;
+pub use args::StepArgs;
+
 /// The step policy (prefill worker flags).
 #[derive(Debug, Clone, Copy)]
 pub struct StepConfig {
@@ -158,6 +161,20 @@ pub fn plan(cands: &[Candidate], cfg: &StepConfig, cost: &CostModel) -> Vec<(usi
         out.push((i, tokens));
     }
     out
+}
+
+/// The chunks (tokens per step) the planner makes of a prompt of `tokens` alone on a worker
+/// planning with `cost`: what a prompt costs in service, counted step by step.
+pub fn lone_chunks(tokens: usize, cfg: &StepConfig, cost: &CostModel) -> Vec<usize> {
+    let mut chunks = Vec::new();
+    let mut done = 0;
+    while done < tokens {
+        let c = Candidate { remaining: tokens - done, done, len: tokens, waited: Duration::ZERO };
+        let t = plan(&[c], cfg, cost).first().map(|&(_, t)| t).unwrap_or(tokens - done).clamp(1, tokens - done);
+        chunks.push(t);
+        done += t;
+    }
+    chunks
 }
 
 #[cfg(test)]

@@ -184,15 +184,11 @@ impl WorkerCost {
     /// `step` (the real planner, planning with this model): what a prompt costs in service,
     /// where a step target smaller than a whole chunk makes more, smaller steps.
     pub fn prefill_planned_ms(&self, tokens: usize, step: &pd_prefill::step::StepConfig) -> f64 {
-        use pd_prefill::step::{plan, Candidate};
-        let model = self.prefill_model();
-        let (mut done, mut ms, mut steps) = (0, 0.0, 0);
-        while done < tokens && steps < 1_000_000 {
-            let c = Candidate { remaining: tokens - done, done, len: tokens, waited: std::time::Duration::ZERO };
-            let t = plan(&[c], step, &model).first().map(|&(_, t)| t).unwrap_or(tokens - done).clamp(1, tokens - done);
+        let mut done = 0;
+        let mut ms = 0.0;
+        for t in pd_prefill::step::lone_chunks(tokens, step, &self.prefill_model()) {
             ms += self.prefill_step_ms(&[(t, done)]);
             done += t;
-            steps += 1;
         }
         ms
     }

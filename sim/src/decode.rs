@@ -36,7 +36,6 @@ type Events = mpsc::UnboundedSender<Result<pb::DecodeEvent, Status>>;
 /// A reservation waiting for its KV.
 struct Pending {
     blocks: usize,
-    prompt: usize,
     commit: oneshot::Sender<Committed>,
 }
 
@@ -352,7 +351,7 @@ impl pb::decode_worker_server::DecodeWorker for SimDecode {
             self.wake.notify_one();
         } else {
             let (commit, committed) = oneshot::channel();
-            s.pending.insert(req.request_id.clone(), Pending { blocks, prompt, commit });
+            s.pending.insert(req.request_id.clone(), Pending { blocks, commit });
             drop(s);
             let target = self.target(&req, blocks, lease);
             let _ = tx.send(Ok(pb::DecodeEvent { event: Some(pb::decode_event::Event::Target(target)) }));
@@ -437,8 +436,8 @@ impl SimDecode {
                 return;
             };
             drop(s);
-            let uncached = header.num_tokens.max(p.prompt as u32) as u64;
-            let kv_bytes = if frame_bytes > 0 { frame_bytes } else { uncached * self.cost.kv.bytes_per_token };
+            let shipped = u64::from(header.num_tokens);
+            let kv_bytes = if frame_bytes > 0 { frame_bytes } else { shipped * self.cost.kv.bytes_per_token };
             let kv_ms = accepted_at.elapsed().as_secs_f64() * 1e3;
             if p.commit.send(Committed { first_token, kv_ms, kv_bytes }).is_err() {
                 // The sequence gave up meanwhile (lease or client); its task freed nothing

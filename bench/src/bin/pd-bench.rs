@@ -184,11 +184,9 @@ enum Command {
         prefill_utilization: f64,
         #[arg(long, default_value_t = 0.8)]
         decode_utilization: f64,
-        /// The prefill workers' --chunk and --step-target-ms.
-        #[arg(long, default_value_t = 512)]
-        chunk: usize,
-        #[arg(long, default_value_t = 150)]
-        step_target_ms: u64,
+        /// The prefill workers' step policy (their flags).
+        #[command(flatten)]
+        step: pd_prefill::step::StepArgs,
     },
     /// A cost model from a roofline: named hardware (h100, h200) and model (llama-8b,
     /// llama-70b, smollm2-135m), with the efficiencies assumed.
@@ -323,18 +321,15 @@ async fn main() -> anyhow::Result<()> {
             chunk,
             machine,
         } => {
-            anyhow::ensure!(chunk > 0 && step_target_ms > 0, "--chunk and --step-target-ms must be at least 1");
-            let step = pd_prefill::step::StepConfig {
-                target: Duration::from_millis(step_target_ms),
-                max_chunk: chunk,
-                ..pd_prefill::step::StepConfig::single(chunk)
-            };
+            let step = pd_prefill::step::StepArgs { chunk, step_target_ms, ..Default::default() }
+                .config()
+                .map_err(anyhow::Error::msg)?;
             let plan = pd_bench::profile::Plan {
                 prefill_lengths,
                 batches,
                 contexts,
                 decode_tokens,
-                step: pd_prefill::step::StepConfig { min_chunk: 16, short_chunk: 128, long_threshold: 512, ..step },
+                step,
                 max_position,
                 machine,
             };
@@ -362,11 +357,9 @@ async fn main() -> anyhow::Result<()> {
             spare,
             prefill_utilization,
             decode_utilization,
-            chunk,
-            step_target_ms,
+            step,
         } => {
             use pd_bench::plan::{self, traffic::Traffic, PlanConfig, Targets};
-            anyhow::ensure!(chunk > 0 && step_target_ms > 0, "--chunk and --step-target-ms must be at least 1");
             let cost = pd_sim::cost::WorkerCost::load(&cost.to_string_lossy())?;
             let mut cfg = PlanConfig {
                 window_s,
@@ -374,11 +367,7 @@ async fn main() -> anyhow::Result<()> {
                 spare,
                 prefill_utilization,
                 decode_utilization,
-                step: pd_prefill::step::StepConfig {
-                    max_chunk: chunk,
-                    target: Duration::from_millis(step_target_ms),
-                    ..plan::default_step()
-                },
+                step: step.config().map_err(anyhow::Error::msg)?,
                 ..PlanConfig::default()
             };
             cfg.slos.insert("interactive".into(), Targets { ttft_ms: 1500.0, itl_ms: 100.0 });

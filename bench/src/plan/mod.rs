@@ -27,21 +27,12 @@ use pd_prefill::step::StepConfig;
 use pd_sim::cost::WorkerCost;
 use serde::Serialize;
 
-/// The prefill worker's default flags (`pd-prefill --help`).
-pub fn default_step() -> StepConfig {
-    StepConfig {
-        max_prompts: 4,
-        max_long: 1,
-        long_threshold: 512,
-        target: std::time::Duration::from_millis(150),
-        min_chunk: 16,
-        short_chunk: 128,
-        max_chunk: 512,
-        max_wait: std::time::Duration::from_secs(2),
-    }
-}
-
 use crate::loadgen::stats::{RequestSample, Summary};
+
+/// The prefill worker's default step policy (its flags' defaults).
+pub fn default_step() -> StepConfig {
+    pd_prefill::step::StepArgs::default().config().unwrap_or_else(|_| StepConfig::single(512))
+}
 
 /// SLO targets of a class (p95).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]

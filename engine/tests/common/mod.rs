@@ -177,3 +177,38 @@ pub fn real_model_path() -> PathBuf {
     assert!(path.is_file(), "real model not found at {}: run scripts/fetch-model.sh (or set PD_MODEL)", path.display());
     path
 }
+
+/// Deterministic token ids below the tiny vocabulary's 64.
+pub fn tokens(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 7 + salt * 13 + 3) % 64).collect()
+}
+
+/// Largest absolute difference of two tensors, on any devices, as f32.
+pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let host =
+        |t: &Tensor| t.to_device(&Device::Cpu).and_then(|t| t.to_dtype(candle_core::DType::F32)).expect("to host f32");
+    (host(a) - host(b))
+        .expect("same shape")
+        .abs()
+        .expect("abs")
+        .max_all()
+        .expect("max")
+        .to_scalar::<f32>()
+        .expect("scalar")
+}
+
+/// Runs `chunks` one after another for one sequence; returns the logits after the last.
+pub fn run_alone(
+    model: &pd_engine::Model,
+    cache: &pd_engine::KvCache,
+    kv: &mut pd_engine::SequenceKv,
+    chunks: &[&[u32]],
+) -> Tensor {
+    let mut last = None;
+    for chunk in chunks {
+        let out =
+            model.forward(cache, &mut [pd_engine::BatchSeq { tokens: chunk, kv, want_logits: true }]).expect("forward");
+        last = Some(out.squeeze(0).expect("row"));
+    }
+    last.expect("at least one chunk")
+}

@@ -4,13 +4,11 @@
 //! `pd-bench roofline`); the addresses go to `--addresses FILE` as the router's
 //! PD_PREFILL_WORKERS / PD_DECODE_WORKERS lines.
 
-use std::sync::Arc;
-use std::time::Duration;
-
 use clap::Parser;
-use pd_prefill::step::StepConfig;
+use pd_prefill::step::{StepArgs, StepConfig};
 use pd_sim::cost::WorkerCost;
 use pd_sim::fleet::{Fleet, Loss};
+use std::sync::Arc;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -36,23 +34,9 @@ struct Args {
     /// Lose a worker during the run: prefill:INDEX@SECONDS or decode:INDEX@SECONDS (repeatable).
     #[arg(long)]
     lose: Vec<Loss>,
-    /// Prefill step policy, as the real prefill worker's flags.
-    #[arg(long, default_value_t = 4)]
-    max_partial_prefills: usize,
-    #[arg(long, default_value_t = 1)]
-    max_long_partial_prefills: usize,
-    #[arg(long, default_value_t = 512)]
-    long_prefill_threshold: usize,
-    #[arg(long, default_value_t = 150)]
-    step_target_ms: u64,
-    #[arg(long, default_value_t = 16)]
-    min_chunk: usize,
-    #[arg(long, default_value_t = 128)]
-    short_chunk: usize,
-    #[arg(long, default_value_t = 512)]
-    chunk: usize,
-    #[arg(long, default_value_t = 2_000)]
-    max_wait_ms: u64,
+    /// Prefill step policy: the real prefill worker's flags.
+    #[command(flatten)]
+    step: StepArgs,
     /// Runtime threads (the workers are tasks).
     #[arg(long, default_value_t = 1)]
     threads: usize,
@@ -61,20 +45,9 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     anyhow::ensure!(args.prefill + args.decode > 0, "--prefill and --decode are both 0: nothing to run");
-    for n in [args.max_partial_prefills, args.max_long_partial_prefills, args.min_chunk, args.chunk, args.threads] {
-        anyhow::ensure!(n > 0, "--max-partial-prefills, --max-long-partial-prefills, --min-chunk, --chunk and --threads must be at least 1");
-    }
+    anyhow::ensure!(args.threads > 0, "--threads must be at least 1");
     let cost = Arc::new(WorkerCost::load(&args.cost)?);
-    let step = StepConfig {
-        max_prompts: args.max_partial_prefills,
-        max_long: args.max_long_partial_prefills,
-        long_threshold: args.long_prefill_threshold,
-        target: Duration::from_millis(args.step_target_ms),
-        min_chunk: args.min_chunk,
-        short_chunk: args.short_chunk,
-        max_chunk: args.chunk,
-        max_wait: Duration::from_millis(args.max_wait_ms),
-    };
+    let step = args.step.config().map_err(anyhow::Error::msg)?;
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(args.threads)
         .enable_all()
