@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use pd_engine::{set_compute_threads, CacheConfig, DeviceKind, LoadOptions, WeightFormat, WireDType};
+use pd_engine::{set_compute_threads, CacheConfig, DeviceKind, KvCacheDType, LoadOptions, WeightFormat, WireDType};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -30,6 +30,10 @@ struct Args {
     /// KV cache blocks (of 16 tokens).
     #[arg(long, env = "PD_KV_BLOCKS", default_value_t = 2048)]
     kv_blocks: usize,
+    /// How the KV cache stores K and V: f16 (half the memory and attention reads; what the
+    /// KV wire carries by default) or f32.
+    #[arg(long, env = "PD_KV_CACHE_DTYPE", default_value = "f16")]
+    kv_cache_dtype: KvCacheDType,
     /// KV wire dtype asked of prefill workers: f16 or f32.
     #[arg(long, default_value = "f16")]
     kv_dtype: String,
@@ -87,7 +91,11 @@ fn config(args: &Args) -> anyhow::Result<pd_decode::Config> {
     let config = pd_decode::Config {
         model: args.model.clone(),
         load: LoadOptions { weights: args.weights, device: args.device },
-        cache: CacheConfig { prefix_cache: !args.no_prefix_cache, ..CacheConfig::with_blocks(args.kv_blocks) },
+        cache: CacheConfig {
+            prefix_cache: !args.no_prefix_cache,
+            dtype: args.kv_cache_dtype,
+            ..CacheConfig::with_blocks(args.kv_blocks)
+        },
         kv_dtype,
         lease: Duration::from_millis(args.lease_ms),
         advertise: args.advertise.clone(),

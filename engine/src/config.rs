@@ -179,10 +179,51 @@ impl Default for LoadOptions {
 pub struct CacheConfig {
     /// Tokens per block.
     pub block_size: usize,
-    /// Blocks in the cache (memory = num_blocks * block_size * kv_bytes_per_token(4)).
+    /// Blocks in the cache (memory = num_blocks * block_size * kv_bytes_per_token(dtype.size())).
     pub num_blocks: usize,
     /// Keep full blocks of finished prompts content-addressed for reuse (prefix caching).
     pub prefix_cache: bool,
+    /// How K and V values are stored.
+    pub dtype: KvCacheDType,
+}
+
+/// The element type of the KV cache. The arithmetic is f32 either way (values are widened as
+/// attention reads them); f16 halves what decode attention reads per step and the cache's
+/// memory, and equals what the KV wire carries by default, so a handed-off prompt decodes on
+/// exactly the values its prefill worker computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvCacheDType {
+    F32,
+    #[default]
+    F16,
+}
+
+impl KvCacheDType {
+    pub fn size(self) -> usize {
+        match self {
+            KvCacheDType::F32 => 4,
+            KvCacheDType::F16 => 2,
+        }
+    }
+
+    pub(crate) fn dtype(self) -> candle_core::DType {
+        match self {
+            KvCacheDType::F32 => candle_core::DType::F32,
+            KvCacheDType::F16 => candle_core::DType::F16,
+        }
+    }
+}
+
+impl std::str::FromStr for KvCacheDType {
+    type Err = EngineError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "f32" => Ok(KvCacheDType::F32),
+            "f16" => Ok(KvCacheDType::F16),
+            other => Err(EngineError::Config(format!("KV cache dtype `{other}` is not f16 or f32"))),
+        }
+    }
 }
 
 impl CacheConfig {
@@ -190,7 +231,12 @@ impl CacheConfig {
 
     /// A cache of `num_blocks` blocks of the default size.
     pub fn with_blocks(num_blocks: usize) -> Self {
-        CacheConfig { block_size: Self::DEFAULT_BLOCK_SIZE, num_blocks, prefix_cache: true }
+        CacheConfig {
+            block_size: Self::DEFAULT_BLOCK_SIZE,
+            num_blocks,
+            prefix_cache: true,
+            dtype: KvCacheDType::default(),
+        }
     }
 
     pub fn validate(&self) -> Result<()> {

@@ -17,10 +17,13 @@ mod matmul;
 mod matmul_wq;
 pub mod model;
 pub mod sampling;
+mod simd;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
-pub use config::{set_compute_threads, CacheConfig, DeviceKind, LoadOptions, ModelConfig, RopeStyle, WeightFormat};
+pub use config::{
+    set_compute_threads, CacheConfig, DeviceKind, KvCacheDType, LoadOptions, ModelConfig, RopeStyle, WeightFormat,
+};
 pub use engine::{load_model, load_text_side, Engine, Generation, LoadedModel, TextSide};
 pub use error::{EngineError, Result};
 pub use kv::blocks::{BlockAllocation, BlockId, BlockManager};
@@ -30,3 +33,12 @@ pub use kv::prefix::{BlockEvent, BlockEventKind, BlockHash, EventsSince};
 pub use model::{BatchSeq, Model};
 pub use sampling::{FinishReason, OutputTracker, Sampler, SamplingParams, TokenOutput};
 pub use tokenizer::Tokenizer;
+
+/// The vector kernels this process runs (`avx512` or `avx2`; `PD_ENGINE_SIMD=avx2` forces
+/// the latter), for benchmark reports and startup logs.
+pub fn simd_level() -> &'static str {
+    match simd::level() {
+        simd::Level::Avx2 => "avx2",
+        simd::Level::Avx512 => "avx512",
+    }
+}

@@ -6,12 +6,16 @@
 //! each weight row once for all rows of the batch (decode is bound by reading weights) and
 //! keeps 4 rows x 8 lanes of partial sums in registers. Each output's summation order depends
 //! only on its own row, so a sequence gets the same numbers alone or in any batch.
+//!
+//! With AVX-512 (detected at run time, `simd`) the same loop runs on 16 lanes: at batch 4-16
+//! the kernel is bound by FMA and f16-widening throughput, which the wider registers double.
 
 use candle_core::{DType, Storage, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
+use crate::simd::Widen as WeightElem;
 
 /// Rows processed together against one weight row.
 const ROW_BLOCK: usize = 4;
@@ -19,44 +23,12 @@ const ROW_BLOCK: usize = 4;
 const ACCS: usize = 3;
 /// Lanes of one partial sum (one AVX register of f32).
 const LANES: usize = 8;
+/// Accumulators per row and lanes of each on the AVX-512 path (4 x 16 = 64 weights per
+/// step: the model widths 576 and 1536 are multiples, so there is no tail).
+const ACCS_512: usize = 4;
+const LANES_512: usize = 16;
 /// Outputs per parallel task.
 const OUTPUTS_PER_TASK: usize = 64;
-
-/// A weight element the kernel can widen to f32.
-trait WeightElem: Copy + Send + Sync + candle_core::WithDType {
-    fn to_f32(self) -> f32;
-    /// Eight consecutive elements at `ptr` as one f32 vector.
-    ///
-    /// # Safety
-    /// `ptr` must be valid for reading eight elements.
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
-    unsafe fn load8(ptr: *const Self) -> std::arch::x86_64::__m256;
-}
-
-impl WeightElem for f32 {
-    fn to_f32(self) -> f32 {
-        self
-    }
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
-    #[inline(always)]
-    unsafe fn load8(ptr: *const Self) -> std::arch::x86_64::__m256 {
-        // SAFETY: forwarded from the caller.
-        unsafe { std::arch::x86_64::_mm256_loadu_ps(ptr) }
-    }
-}
-
-impl WeightElem for f16 {
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
-    #[inline(always)]
-    unsafe fn load8(ptr: *const Self) -> std::arch::x86_64::__m256 {
-        use std::arch::x86_64::*;
-        // SAFETY: forwarded from the caller; 8 f16 are 16 bytes, one unaligned 128-bit load.
-        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(ptr.cast::<__m128i>())) }
-    }
-}
 
 /// `x` `[m, k]` (f32) times `weight` `[n, k]` (f32 or f16) transposed, as `[m, n]`, on CPU.
 pub(crate) fn small_m_matmul(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
@@ -76,9 +48,10 @@ pub(crate) fn small_m_matmul(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
     }
     let x_all = &x_cpu.as_slice::<f32>()?[x_layout.start_offset()..x_layout.start_offset() + m * k];
     let w_range = w_layout.start_offset()..w_layout.start_offset() + n * k;
+    let wide = crate::simd::avx512();
     let yt = match weight.dtype() {
-        DType::F32 => transposed_product(x_all, &w_cpu.as_slice::<f32>()?[w_range], m, k),
-        DType::F16 => transposed_product(x_all, &w_cpu.as_slice::<f16>()?[w_range], m, k),
+        DType::F32 => transposed_product(x_all, &w_cpu.as_slice::<f32>()?[w_range], m, k, wide),
+        DType::F16 => transposed_product(x_all, &w_cpu.as_slice::<f16>()?[w_range], m, k, wide),
         other => {
             return Err(EngineError::InvalidBatch(format!("small-m matmul has no {other:?} weights")));
         }
@@ -106,7 +79,7 @@ pub(crate) fn untranspose(yt: &[f32], m: usize, n: usize) -> Vec<f32> {
 }
 
 /// The product as `[n, m]` (one output's values for all rows together).
-fn transposed_product<W: WeightElem>(x_all: &[f32], w_all: &[W], m: usize, k: usize) -> Vec<f32> {
+fn transposed_product<W: WeightElem>(x_all: &[f32], w_all: &[W], m: usize, k: usize, wide: bool) -> Vec<f32> {
     let n = w_all.len() / k;
     // Output transposed ([n, m]) so parallel tasks own disjoint slices.
     let mut yt = vec![0f32; n * m];
@@ -125,6 +98,7 @@ fn transposed_product<W: WeightElem>(x_all: &[f32], w_all: &[W], m: usize, k: us
                     x_block,
                     w_row(i),
                     k,
+                    wide,
                 ));
             }
             r += ROW_BLOCK;
@@ -132,7 +106,7 @@ fn transposed_product<W: WeightElem>(x_all: &[f32], w_all: &[W], m: usize, k: us
         for r in r..m {
             let row = &x_all[r * k..(r + 1) * k];
             for i in 0..outputs {
-                y_chunk[i * m + r] = dot_rows::<1, W>(row, w_row(i), k)[0];
+                y_chunk[i * m + r] = dot_rows::<1, W>(row, w_row(i), k, wide)[0];
             }
         }
     };
@@ -147,11 +121,23 @@ fn transposed_product<W: WeightElem>(x_all: &[f32], w_all: &[W], m: usize, k: us
 
 /// Dot products of `R` rows of `x` (each `k` long) with one weight row. Every row's sum is
 /// formed the same way whatever `R` is (`ACCS` 8-lane FMA accumulators over interleaved
-/// chunks, added in order, lanes added in order, then the scalar tail), so results do not
-/// depend on the batch.
+/// chunks, added in order, lanes added in order, then the scalar tail; on the AVX-512 path
+/// `ACCS_512` 16-lane ones), so results do not depend on the batch. `wide` selects the
+/// AVX-512 path and must be the same for every call of a process (`simd::avx512`).
 #[inline(always)]
-fn dot_rows<const R: usize, W: WeightElem>(x: &[f32], w: &[W], k: usize) -> [f32; R] {
+fn dot_rows<const R: usize, W: WeightElem>(x: &[f32], w: &[W], k: usize, wide: bool) -> [f32; R] {
     assert!(x.len() >= R * k && w.len() >= k, "dot_rows: slices shorter than {R} x {k}");
+    #[cfg(target_arch = "x86_64")]
+    if wide {
+        let whole = k / (ACCS_512 * LANES_512) * (ACCS_512 * LANES_512);
+        // SAFETY: `wide` is only true when AVX-512 F was detected; lengths checked above.
+        let sums = unsafe { row_sums_avx512::<R, W>(x, w, k, whole) };
+        return std::array::from_fn(|r| {
+            let tail: f32 = (whole..k).map(|i| x[r * k + i] * w[i].to_f32()).sum();
+            sums[r] + tail
+        });
+    }
+    let _ = wide;
     let whole = k / (ACCS * LANES) * (ACCS * LANES);
     let lanes = lane_sums::<R, W>(x, w, k, whole);
     std::array::from_fn(|r| {
@@ -188,6 +174,35 @@ fn lane_sums<const R: usize, W: WeightElem>(x: &[f32], w: &[W], k: usize, whole:
         }
     }
     out
+}
+
+/// Per row, the sum over `0..whole` (a multiple of ACCS_512 * 16) with AVX-512: the AVX2
+/// loop on 16 lanes, lanes added by the CPU's fixed reduction order.
+///
+/// # Safety
+/// The CPU must have AVX-512 F; `x` holds `R * k` values and `w` at least `k`, `whole <= k`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn row_sums_avx512<const R: usize, W: WeightElem>(x: &[f32], w: &[W], k: usize, whole: usize) -> [f32; R] {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); ACCS_512]; R];
+    let (xp, wp) = (x.as_ptr(), w.as_ptr());
+    let mut c = 0;
+    while c < whole {
+        // SAFETY (all loads): c + ACCS_512 * 16 <= whole <= k, inside w and each row of x.
+        let wv: [__m512; ACCS_512] = std::array::from_fn(|a| unsafe { W::load16(wp.add(c + a * LANES_512)) });
+        for (r, row_acc) in acc.iter_mut().enumerate() {
+            let row = unsafe { xp.add(r * k + c) };
+            for (a, lane_acc) in row_acc.iter_mut().enumerate() {
+                *lane_acc = _mm512_fmadd_ps(unsafe { _mm512_loadu_ps(row.add(a * LANES_512)) }, wv[a], *lane_acc);
+            }
+        }
+        c += ACCS_512 * LANES_512;
+    }
+    std::array::from_fn(|r| {
+        let sum = acc[r][1..].iter().fold(acc[r][0], |total, &a| _mm512_add_ps(total, a));
+        _mm512_reduce_add_ps(sum)
+    })
 }
 
 /// Portable version of the AVX2 lane sums, same summation order.
@@ -233,6 +248,25 @@ mod tests {
             let in_batch = ours.narrow(0, row, 1)?;
             let d = (alone - in_batch)?.abs()?.max_all()?.to_scalar::<f32>()?;
             assert_eq!(d, 0.0, "row {row} depends on its batch");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_avx512_and_avx2_paths_agree() -> Result<()> {
+        if crate::simd::detected() != crate::simd::Level::Avx512 {
+            eprintln!("skipped: this CPU has no AVX-512");
+            return Ok(());
+        }
+        // 576 = 9 x 64: no tail on either path; 100: both have one.
+        for k in [576, 100] {
+            let w = Tensor::randn(0f32, 1.0, (70, k), &Device::Cpu)?.to_dtype(DType::F16)?;
+            let x: Vec<f32> = Tensor::randn(0f32, 1.0, (5, k), &Device::Cpu)?.flatten_all()?.to_vec1()?;
+            let w: Vec<f16> = w.flatten_all()?.to_vec1()?;
+            let wide = transposed_product(&x, &w, 5, k, true);
+            let narrow = transposed_product(&x, &w, 5, k, false);
+            let d = wide.iter().zip(&narrow).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(d < 1e-3, "k {k}: paths differ by {d}");
         }
         Ok(())
     }

@@ -103,6 +103,7 @@ impl Model {
         device: &Device,
     ) -> Result<Self> {
         config.validate()?;
+        crate::simd::check_env()?;
         let c = &config;
         let (hidden, kv_width) = (c.hidden_size, c.kv_width());
         let q_width = c.num_heads * c.head_dim;

@@ -29,7 +29,7 @@ fn model_on(device: &Device, format: WeightFormat, seed: u64) -> Model {
 }
 
 fn cache_on(model: &Model, device: &Device) -> KvCache {
-    let config = CacheConfig { block_size: 4, num_blocks: 64, prefix_cache: false };
+    let config = CacheConfig { prefix_cache: false, block_size: 4, ..CacheConfig::with_blocks(64) };
     KvCache::new(model.config(), &config, device).expect("cache")
 }
 

@@ -24,8 +24,12 @@ fn tiny_model_as(seed: u64, format: WeightFormat) -> Model {
 const DENSE: [WeightFormat; 2] = [WeightFormat::F32, WeightFormat::F16];
 
 fn cache_for(model: &Model, blocks: usize, block_size: usize) -> KvCache {
-    KvCache::new(model.config(), &CacheConfig { block_size, num_blocks: blocks, prefix_cache: false }, &Device::Cpu)
-        .expect("cache")
+    KvCache::new(
+        model.config(),
+        &CacheConfig { block_size, prefix_cache: false, ..CacheConfig::with_blocks(blocks) },
+        &Device::Cpu,
+    )
+    .expect("cache")
 }
 
 #[test]

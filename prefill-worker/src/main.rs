@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use pd_engine::{set_compute_threads, CacheConfig, DeviceKind, LoadOptions, WeightFormat};
+use pd_engine::{set_compute_threads, CacheConfig, DeviceKind, KvCacheDType, LoadOptions, WeightFormat};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -32,6 +32,10 @@ struct Args {
     /// KV cache blocks (of 16 tokens) for the prompts in flight and the cached prefixes.
     #[arg(long, default_value_t = 576)]
     kv_blocks: usize,
+    /// How the KV cache stores K and V: f16 (half the memory and attention reads; what the
+    /// KV wire carries by default) or f32.
+    #[arg(long, env = "PD_KV_CACHE_DTYPE", default_value = "f16")]
+    kv_cache_dtype: KvCacheDType,
     /// Longest wait on a decode worker's KV service, in milliseconds.
     #[arg(long, default_value_t = 5_000)]
     kv_timeout_ms: u64,
@@ -71,7 +75,11 @@ fn config(args: &Args) -> anyhow::Result<pd_prefill::Config> {
     let config = pd_prefill::Config {
         model: args.model.clone(),
         load: LoadOptions { weights: args.weights, device: args.device },
-        cache: CacheConfig { prefix_cache: !args.no_prefix_cache, ..CacheConfig::with_blocks(args.kv_blocks) },
+        cache: CacheConfig {
+            prefix_cache: !args.no_prefix_cache,
+            dtype: args.kv_cache_dtype,
+            ..CacheConfig::with_blocks(args.kv_blocks)
+        },
         step: args.step.config().map_err(anyhow::Error::msg)?,
         kv_timeout: Duration::from_millis(args.kv_timeout_ms),
         grace: Duration::from_millis(args.grace_ms),

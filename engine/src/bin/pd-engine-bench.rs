@@ -13,7 +13,9 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Parser;
-use pd_engine::{set_compute_threads, BatchSeq, CacheConfig, Engine, LoadOptions, SequenceKv, WeightFormat, WireDType};
+use pd_engine::{
+    set_compute_threads, BatchSeq, CacheConfig, Engine, KvCacheDType, LoadOptions, SequenceKv, WeightFormat, WireDType,
+};
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -24,6 +26,9 @@ struct Args {
     /// f16 (default), f32, q8, stored or wq.
     #[arg(long, default_value = "f16")]
     weights: WeightFormat,
+    /// KV cache element type: f16 (default) or f32.
+    #[arg(long, default_value = "f16")]
+    kv_cache: KvCacheDType,
     /// Prompt lengths for the prefill measurement.
     #[arg(long, value_delimiter = ',', default_value = "128,512,2048")]
     prefill: Vec<usize>,
@@ -64,11 +69,22 @@ fn main() -> anyhow::Result<()> {
     let per_seq = args.context + args.steps + 2;
     let long_rows = if args.long_row > 0 { args.long_row + args.steps + 2 + per_seq * 9 } else { 0 };
     let tokens_needed = max_prompt.max(per_seq * (max_batch + 1)) + long_rows;
-    let cache = CacheConfig { prefix_cache: false, ..CacheConfig::with_blocks(tokens_needed.div_ceil(16) + 16) };
+    let cache = CacheConfig {
+        prefix_cache: false,
+        dtype: args.kv_cache,
+        ..CacheConfig::with_blocks(tokens_needed.div_ceil(16) + 16)
+    };
     let options = LoadOptions { weights: args.weights, ..LoadOptions::default() };
     let engine =
         Engine::load(&args.model, options, cache).with_context(|| format!("loading {}", args.model.display()))?;
-    println!("model {} | weights {:?} | threads {}", args.model.display(), args.weights, args.threads);
+    println!(
+        "model {} | weights {:?} | KV cache {:?} | threads {} | SIMD {}",
+        args.model.display(),
+        args.weights,
+        args.kv_cache,
+        args.threads,
+        pd_engine::simd_level()
+    );
     println!();
     println!("| measurement | value |");
     println!("|---|---|");

@@ -1,8 +1,9 @@
 //! The paged KV cache tensors and the per-sequence view of them.
 //!
 //! Per layer one K and one V tensor shaped `[num_blocks * block_size, num_kv_heads * head_dim]`
-//! (the `[num_blocks, block_size, n_kv_heads, head_dim]` layout, flattened to slots), f32, on
-//! the model's device. The cache never owns bookkeeping: which slots belong to whom is decided
+//! (the `[num_blocks, block_size, n_kv_heads, head_dim]` layout, flattened to slots), f16 or
+//! f32 (`KvCacheDType`), on the model's device. Values go in and come out as f32: the stored
+//! type is this module's business and the attention kernels'. The cache never owns bookkeeping: which slots belong to whom is decided
 //! by `BlockManager` allocations, carried by `SequenceKv`.
 
 use candle_core::{DType, Device, Tensor};
@@ -14,8 +15,9 @@ use crate::error::{EngineError, Result};
 /// K and V storage for every layer.
 #[derive(Debug)]
 pub struct KvCache {
-    /// (K, V) per layer, each `[num_slots, kv_width]` f32.
+    /// (K, V) per layer, each `[num_slots, kv_width]` of `dtype`.
     layers: Vec<(Tensor, Tensor)>,
+    dtype: DType,
     block_size: usize,
     num_blocks: usize,
     kv_width: usize,
@@ -27,15 +29,13 @@ impl KvCache {
         config.validate()?;
         let slots = config.num_blocks * config.block_size;
         let kv_width = model.kv_width();
+        let dtype = config.dtype.dtype();
         let layers = (0..model.num_layers)
             .map(|_| {
-                Ok((
-                    Tensor::zeros((slots, kv_width), DType::F32, device)?,
-                    Tensor::zeros((slots, kv_width), DType::F32, device)?,
-                ))
+                Ok((Tensor::zeros((slots, kv_width), dtype, device)?, Tensor::zeros((slots, kv_width), dtype, device)?))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(KvCache { layers, block_size: config.block_size, num_blocks: config.num_blocks, kv_width })
+        Ok(KvCache { layers, dtype, block_size: config.block_size, num_blocks: config.num_blocks, kv_width })
     }
 
     /// A block manager whose ids address this cache.
@@ -59,25 +59,34 @@ impl KvCache {
         self.kv_width
     }
 
-    /// (K, V) of one layer.
+    /// The stored element type (f16 or f32).
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// (K, V) of one layer, as stored.
     pub fn layer(&self, layer: usize) -> (&Tensor, &Tensor) {
         let (k, v) = &self.layers[layer];
         (k, v)
     }
 
-    /// Writes rows of `k` and `v` (`[n, kv_width]`) into slots. `slot_index` is `[n, kv_width]`
-    /// u32, every row filled with its destination slot (scatter along dim 0, in place).
+    /// Writes rows of `k` and `v` (`[n, kv_width]`, any float type: converted to the cache's)
+    /// into slots. `slot_index` is `[n, kv_width]` u32, every row filled with its destination
+    /// slot (scatter along dim 0, in place).
     pub(crate) fn write(&self, layer: usize, slot_index: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
         let (k_cache, v_cache) = &self.layers[layer];
-        k_cache.scatter_set(slot_index, &k.contiguous()?, 0)?;
-        v_cache.scatter_set(slot_index, &v.contiguous()?, 0)?;
+        k_cache.scatter_set(slot_index, &k.to_dtype(self.dtype)?.contiguous()?, 0)?;
+        v_cache.scatter_set(slot_index, &v.to_dtype(self.dtype)?.contiguous()?, 0)?;
         Ok(())
     }
 
-    /// Rows of K and V at `slots` (`[n]` u32), each `[n, kv_width]`.
+    /// Rows of K and V at `slots` (`[n]` u32), each `[n, kv_width]` f32.
     pub(crate) fn gather(&self, layer: usize, slots: &Tensor) -> Result<(Tensor, Tensor)> {
         let (k_cache, v_cache) = &self.layers[layer];
-        Ok((k_cache.index_select(slots, 0)?, v_cache.index_select(slots, 0)?))
+        Ok((
+            k_cache.index_select(slots, 0)?.to_dtype(DType::F32)?,
+            v_cache.index_select(slots, 0)?.to_dtype(DType::F32)?,
+        ))
     }
 
     /// Checks that `blocks` all address this cache.

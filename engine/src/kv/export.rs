@@ -384,7 +384,7 @@ mod tests {
             rope_style: RopeStyle::Halves,
         };
         let dev = candle_core::Device::Cpu;
-        let config = CacheConfig { block_size: 2, num_blocks: 6, prefix_cache: false };
+        let config = CacheConfig { prefix_cache: false, block_size: 2, ..CacheConfig::with_blocks(6) };
         let source = KvCache::new(&model, &config, &dev)?;
         let slots = 12;
         let k = Tensor::arange(0f32, (slots * 4) as f32, &dev)?.reshape((slots, 4))?;
