@@ -1,18 +1,21 @@
 //! Weight-only quantized matmul for decode steps: `x @ W^T` where `W` keeps the
 //! checkpoint's own quantized values and `x` stays f32. Q4_1 blocks (32 weights: f16 scale
 //! `d`, f16 minimum `m`, 4-bit `q`; weight = d * q + m) and Q8_0 blocks (f16 `d`, 8-bit `q`,
-//! m = 0) are repacked at load, losslessly, into one layout the kernel widens cheaply: f32
-//! `d` and `m` and 32 signed bytes, 40 bytes per 32 weights where f16 needs 64. Nothing is
-//! rounded but what the file already rounded: unlike candle's Q8 path the activations keep
-//! all their bits.
+//! m = 0) are repacked at load, losslessly, into layouts the kernel widens cheaply: a matrix
+//! of Q4_1 parts keeps its nibbles (f32 `d` + 16 bytes, plus f32 `m` apart: 24 bytes per 32
+//! weights where f16 needs 64), anything else becomes f32 `d` + 32 signed bytes (36 bytes,
+//! plus `m` only where some part has one). Nothing is rounded but what the file already
+//! rounded: unlike candle's Q8 path the activations keep all their bits.
 //!
 //! Per block and row, `sum_j x_j (d q_j + m) = d * sum_j x_j q_j + m * sum_j x_j`; the block
-//! sums of `x` are computed once per call. Like the f16 kernel, each weight block is widened
+//! sums of `x` are computed once per call (AVX2 and portable kernels; the AVX-512 one widens
+//! `d q + m` once per block for all rows). Like the f16 kernel, each weight block is widened
 //! once for up to 4 rows, and each output's summation order depends only on its own row, so a
 //! sequence gets the same numbers alone or in any batch.
 //!
-//! AVX2 + FMA are detected at run time; without them a portable loop computes the same
-//! products (in another summation order).
+//! AVX-512 (widened blocks pre-scaled by `d` once for all rows, 16 lanes) and AVX2 + FMA are
+//! detected at run time; without them a portable loop computes the same products (in
+//! another summation order).
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
@@ -32,12 +35,105 @@ const ROW_BLOCK: usize = 4;
 /// Outputs per parallel task.
 const OUTPUTS_PER_TASK: usize = 64;
 
-/// One block as the kernel reads it: weight j = d * q[j] + m, with m kept apart (`mins`).
+/// A block of 32 quantized weights as the kernels read it: weight j = d * q(j) (+ m, kept
+/// apart).
+pub(crate) trait QBlock: Copy + Send + Sync {
+    fn d(&self) -> f32;
+    /// The j-th quantized value, as f32.
+    fn q(&self, j: usize) -> f32;
+    /// The 32 values widened to f32, 8 lanes each (positions 0-7, 8-15, 16-23, 24-31).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn widen8(&self) -> [std::arch::x86_64::__m256; 4];
+    /// The 32 values widened to f32, 16 lanes each (positions 0-15, 16-31).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn widen16(&self) -> [std::arch::x86_64::__m512; 2];
+}
+
+/// Eight signed bytes, then 32 values as f32.
 #[derive(Debug, Clone, Copy)]
 #[repr(C)]
-pub(crate) struct Block {
+pub(crate) struct Block8 {
     d: f32,
     q: [i8; QK],
+}
+
+/// 4-bit values as the Q4_1 file stores them: byte j holds value j (low nibble) and value
+/// j + 16 (high nibble).
+#[derive(Debug, Clone, Copy)]
+#[repr(C)]
+pub(crate) struct Block4 {
+    d: f32,
+    q: [u8; QK / 2],
+}
+
+impl QBlock for Block8 {
+    fn d(&self) -> f32 {
+        self.d
+    }
+    fn q(&self, j: usize) -> f32 {
+        f32::from(self.q[j])
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn widen8(&self) -> [std::arch::x86_64::__m256; 4] {
+        use std::arch::x86_64::*;
+        let p = self.q.as_ptr();
+        // SAFETY: each load reads 8 of the block's 32 bytes.
+        std::array::from_fn(|i| unsafe {
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8 * i).cast::<__m128i>())))
+        })
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn widen16(&self) -> [std::arch::x86_64::__m512; 2] {
+        use std::arch::x86_64::*;
+        let p = self.q.as_ptr();
+        // SAFETY: each load reads 16 of the block's 32 bytes.
+        std::array::from_fn(|i| unsafe {
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(16 * i).cast::<__m128i>())))
+        })
+    }
+}
+
+impl QBlock for Block4 {
+    fn d(&self) -> f32 {
+        self.d
+    }
+    fn q(&self, j: usize) -> f32 {
+        f32::from(if j < QK / 2 { self.q[j] & 0x0F } else { self.q[j - QK / 2] >> 4 })
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn widen8(&self) -> [std::arch::x86_64::__m256; 4] {
+        use std::arch::x86_64::*;
+        // SAFETY: one 16-byte load of the block's nibbles.
+        let raw = unsafe { _mm_loadu_si128(self.q.as_ptr().cast::<__m128i>()) };
+        let low_nibbles = _mm_set1_epi8(0x0F);
+        let lo = _mm_and_si128(raw, low_nibbles);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(raw), low_nibbles);
+        let widen = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+        [widen(lo), widen(_mm_srli_si128::<8>(lo)), widen(hi), widen(_mm_srli_si128::<8>(hi))]
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn widen16(&self) -> [std::arch::x86_64::__m512; 2] {
+        use std::arch::x86_64::*;
+        // SAFETY: one 16-byte load of the block's nibbles.
+        let bytes = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(self.q.as_ptr().cast::<__m128i>()) });
+        let lo = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F));
+        let hi = _mm512_srli_epi32::<4>(bytes);
+        [_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(hi)]
+    }
 }
 
 /// Whether a stored tensor type can be repacked.
@@ -45,13 +141,21 @@ pub(crate) fn supported(dtype: GgmlDType) -> bool {
     matches!(dtype, GgmlDType::Q4_1 | GgmlDType::Q8_0)
 }
 
+/// The blocks of a matrix, row after row, in one of the two layouts.
+#[derive(Debug)]
+enum Blocks {
+    Nibbles(Vec<Block4>),
+    Bytes(Vec<Block8>),
+}
+
 /// A `[n, k]` weight matrix in blocks, row after row.
 #[derive(Debug)]
 pub(crate) struct WqWeight {
-    blocks: Vec<Block>,
-    /// Each block's minimum m, row after row (all zero for Q8_0): summed with the block sums
-    /// of x in one vector pass per output instead of one scalar step per block.
-    mins: Vec<f32>,
+    blocks: Blocks,
+    /// Each block's minimum m, row after row; `None` when every part is Q8_0 (all zero).
+    /// The AVX-512 kernel folds m into the widened weights; the others add `m * sum(x)` per
+    /// block in one vector pass per output, from block sums of x computed once per call.
+    mins: Option<Vec<f32>>,
     n: usize,
     k: usize,
 }
@@ -69,7 +173,9 @@ impl WqWeight {
                 "Q4 weights need a width that is a multiple of {QK}, not {k}"
             )));
         }
-        let (mut blocks, mut mins) = (Vec::new(), Vec::new());
+        let nibbles = parts.iter().all(|p| p.dtype() == GgmlDType::Q4_1);
+        let any_min = parts.iter().any(|p| p.dtype() == GgmlDType::Q4_1);
+        let (mut b4, mut b8, mut mins) = (Vec::new(), Vec::new(), Vec::new());
         let mut n = 0;
         for part in parts {
             let dims = part.shape().dims();
@@ -89,27 +195,42 @@ impl WqWeight {
                 )));
             }
             for b in data.chunks_exact(size) {
-                let (block, m) = match part.dtype() {
+                match part.dtype() {
                     GgmlDType::Q4_1 => {
-                        let nibble = |j: usize| if j < QK / 2 { b[4 + j] & 0x0F } else { b[4 + j - QK / 2] >> 4 };
-                        (Block { d: f16_at(b, 0), q: std::array::from_fn(|j| nibble(j) as i8) }, f16_at(b, 2))
+                        let block = Block4 { d: f16_at(b, 0), q: std::array::from_fn(|j| b[4 + j]) };
+                        if nibbles {
+                            b4.push(block);
+                        } else {
+                            b8.push(Block8 { d: block.d, q: std::array::from_fn(|j| block.q(j) as i8) });
+                        }
+                        mins.push(f16_at(b, 2));
                     }
-                    _ => (Block { d: f16_at(b, 0), q: std::array::from_fn(|j| b[2 + j] as i8) }, 0.0),
-                };
-                blocks.push(block);
-                mins.push(m);
+                    _ => {
+                        b8.push(Block8 { d: f16_at(b, 0), q: std::array::from_fn(|j| b[2 + j] as i8) });
+                        mins.push(0.0);
+                    }
+                }
             }
             n += dims[0];
         }
-        Ok(WqWeight { blocks, mins, n, k })
+        let blocks = if nibbles { Blocks::Nibbles(b4) } else { Blocks::Bytes(b8) };
+        Ok(WqWeight { blocks, mins: any_min.then_some(mins), n, k })
     }
 
     /// The weights as an f32 `[n, k]` tensor (for many-row products, where gemm wins).
     pub(crate) fn dequantize(&self, device: &Device) -> Result<Tensor> {
-        let mut out = Vec::with_capacity(self.n * self.k);
-        for (b, m) in self.blocks.iter().zip(&self.mins) {
-            out.extend(b.q.iter().map(|&q| f32::from(q) * b.d + m));
+        fn values<B: QBlock>(blocks: &[B], mins: Option<&[f32]>) -> Vec<f32> {
+            let mut out = Vec::with_capacity(blocks.len() * QK);
+            for (i, b) in blocks.iter().enumerate() {
+                let m = mins.map_or(0.0, |m| m[i]);
+                out.extend((0..QK).map(|j| b.q(j) * b.d() + m));
+            }
+            out
         }
+        let out = match &self.blocks {
+            Blocks::Nibbles(b) => values(b, self.mins.as_deref()),
+            Blocks::Bytes(b) => values(b, self.mins.as_deref()),
+        };
         Ok(Tensor::from_vec(out, (self.n, self.k), device)?)
     }
 
@@ -120,10 +241,23 @@ impl WqWeight {
             return Err(EngineError::InvalidBatch(format!("matmul width {k} vs weight width {}", self.k)));
         }
         let x_all = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-        let nb = k / QK;
-        // Each row's block sums, in a fixed order (the same alone or in a batch).
-        let xsum: Vec<f32> = x_all.chunks_exact(QK).map(|c| c.iter().sum()).collect();
-        let simd = simd_available();
+        let yt = match &self.blocks {
+            Blocks::Nibbles(b) => self.product(b, &x_all, m, simd()),
+            Blocks::Bytes(b) => self.product(b, &x_all, m, simd()),
+        };
+        Ok(Tensor::from_vec(crate::matmul::untranspose(&yt, m, self.n), (m, self.n), x.device())?)
+    }
+
+    /// The product as `[n, m]`.
+    fn product<B: QBlock>(&self, blocks: &[B], x_all: &[f32], m: usize, simd: Simd) -> Vec<f32> {
+        let (k, nb) = (self.k, self.k / QK);
+        // Each row's block sums, in a fixed order (the same alone or in a batch); only needed
+        // for the minimums.
+        let xsum: Vec<f32> = if self.mins.is_some() && simd != Simd::Avx512 {
+            x_all.chunks_exact(QK).map(|c| c.iter().sum()).collect()
+        } else {
+            Vec::new()
+        };
         let mut yt = vec![0f32; self.n * m];
         // Row blocks outside, the task's outputs inside (x stays in L1; see `matmul.rs`).
         let task = |(task, y_chunk): (usize, &mut [f32])| {
@@ -131,13 +265,14 @@ impl WqWeight {
             let outputs = y_chunk.len() / m;
             let w = |i: usize| {
                 let rows = (first + i) * nb..(first + i + 1) * nb;
-                (&self.blocks[rows.clone()], &self.mins[rows])
+                (&blocks[rows.clone()], self.mins.as_ref().map(|m| &m[rows]))
             };
+            let sums = |r: usize, rows: usize| if xsum.is_empty() { &[][..] } else { &xsum[r * nb..(r + rows) * nb] };
             let mut r = 0;
             while r + ROW_BLOCK <= m {
-                let (xr, sr) = (&x_all[r * k..(r + ROW_BLOCK) * k], &xsum[r * nb..(r + ROW_BLOCK) * nb]);
+                let (xr, sr) = (&x_all[r * k..(r + ROW_BLOCK) * k], sums(r, ROW_BLOCK));
                 for i in 0..outputs {
-                    y_chunk[i * m + r..i * m + r + ROW_BLOCK].copy_from_slice(&dot_rows::<ROW_BLOCK>(
+                    y_chunk[i * m + r..i * m + r + ROW_BLOCK].copy_from_slice(&dot_rows::<ROW_BLOCK, B>(
                         xr,
                         sr,
                         w(i),
@@ -147,9 +282,9 @@ impl WqWeight {
                 r += ROW_BLOCK;
             }
             for r in r..m {
-                let (xr, sr) = (&x_all[r * k..(r + 1) * k], &xsum[r * nb..(r + 1) * nb]);
+                let (xr, sr) = (&x_all[r * k..(r + 1) * k], sums(r, 1));
                 for i in 0..outputs {
-                    y_chunk[i * m + r] = dot_rows::<1>(xr, sr, w(i), simd)[0];
+                    y_chunk[i * m + r] = dot_rows::<1, B>(xr, sr, w(i), simd)[0];
                 }
             }
         };
@@ -158,87 +293,98 @@ impl WqWeight {
         } else {
             yt.chunks_mut(OUTPUTS_PER_TASK * m).enumerate().for_each(task);
         }
-        Ok(Tensor::from_vec(crate::matmul::untranspose(&yt, m, self.n), (m, self.n), x.device())?)
+        yt
     }
 }
 
-/// Whether this CPU has AVX2 and FMA (checked once).
-fn simd_available() -> bool {
+/// Which kernel runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Simd {
+    Portable,
+    Avx2,
+    Avx512,
+}
+
+/// The kernel for this process (checked once): AVX-512 per `simd::level`, else AVX2 + FMA
+/// if the CPU has them.
+fn simd() -> Simd {
     #[cfg(target_arch = "x86_64")]
     {
-        static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *DETECTED.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+        static DETECTED: std::sync::OnceLock<Simd> = std::sync::OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            if crate::simd::avx512() {
+                Simd::Avx512
+            } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                Simd::Avx2
+            } else {
+                Simd::Portable
+            }
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
-    false
+    Simd::Portable
 }
 
-/// `R` rows of `x` (each `nb * 32` long, block sums in `xsum`) with one weight row.
+/// `R` rows of `x` (each `nb * 32` long, block sums in `xsum` when there are minimums) with
+/// one weight row.
 #[inline(always)]
-fn dot_rows<const R: usize>(x: &[f32], xsum: &[f32], (w, mins): (&[Block], &[f32]), simd: bool) -> [f32; R] {
+fn dot_rows<const R: usize, B: QBlock>(
+    x: &[f32],
+    xsum: &[f32],
+    (w, mins): (&[B], Option<&[f32]>),
+    simd: Simd,
+) -> [f32; R] {
     let nb = w.len();
-    assert_eq!(mins.len(), nb, "dot_rows: one minimum per block");
-    assert!(x.len() >= R * nb * QK && xsum.len() >= R * nb, "dot_rows: slices shorter than {R} x {nb} blocks");
-    #[cfg(target_arch = "x86_64")]
-    if simd {
-        // SAFETY: the features were detected at run time; the lengths were checked above.
-        return unsafe { dot_rows_avx2::<R>(x, xsum, w, mins) };
+    assert!(x.len() >= R * nb * QK, "dot_rows: x shorter than {R} x {nb} blocks");
+    if let Some(mins) = mins {
+        assert!(mins.len() == nb, "dot_rows: one minimum per block");
+        assert!(simd == Simd::Avx512 || xsum.len() >= R * nb, "dot_rows: one block sum per block");
     }
-    let _ = simd;
-    dot_rows_portable::<R>(x, xsum, w, mins)
+    // SAFETY: AVX-512 F was detected at run time; the lengths were checked above.
+    #[cfg(target_arch = "x86_64")]
+    if simd == Simd::Avx512 {
+        return unsafe { full_avx512::<R, B>(x, w, mins) };
+    }
+    let scaled: [f32; R] = match simd {
+        // SAFETY: the features were detected at run time; the lengths were checked above.
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => unsafe { scaled_avx2::<R, B>(x, w) },
+        _ => scaled_portable::<R, B>(x, w),
+    };
+    let Some(mins) = mins else { return scaled };
+    let minimum = match simd {
+        // SAFETY: AVX2 + FMA are part of either detected level; lengths checked above.
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => unsafe { minimums_avx2::<R>(xsum, mins) },
+        _ => std::array::from_fn(|r| (0..nb).fold(0f32, |t, b| xsum[r * nb + b].mul_add(mins[b], t))),
+    };
+    std::array::from_fn(|r| scaled[r] + minimum[r])
 }
 
-fn dot_rows_portable<const R: usize>(x: &[f32], xsum: &[f32], w: &[Block], mins: &[f32]) -> [f32; R] {
+/// Per row, `sum_b d_b * sum_j x_j q_j` in plain Rust.
+fn scaled_portable<const R: usize, B: QBlock>(x: &[f32], w: &[B]) -> [f32; R] {
     let nb = w.len();
     std::array::from_fn(|r| {
-        let (mut scaled, mut minimum) = (0f32, 0f32);
+        let mut scaled = 0f32;
         for (b, block) in w.iter().enumerate() {
             let xb = &x[(r * nb + b) * QK..(r * nb + b + 1) * QK];
-            let dot = xb.iter().zip(&block.q).fold(0f32, |dot, (x, &q)| x.mul_add(f32::from(q), dot));
-            scaled = dot.mul_add(block.d, scaled);
-            minimum = xsum[r * nb + b].mul_add(mins[b], minimum);
+            let dot = xb.iter().enumerate().fold(0f32, |dot, (j, x)| x.mul_add(block.q(j), dot));
+            scaled = dot.mul_add(block.d(), scaled);
         }
-        scaled + minimum
+        scaled
     })
 }
 
+/// Per row, `sum_b m_b * xsum_b`: 8 blocks per vector step, the rest one by one.
+///
 /// # Safety
-/// The CPU must have AVX2 and FMA; `x` holds `R * w.len() * 32` values and `xsum`
-/// `R * w.len()`.
+/// The CPU must have AVX2 and FMA; `xsum` holds `R * mins.len()` values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_rows_avx2<const R: usize>(x: &[f32], xsum: &[f32], w: &[Block], mins: &[f32]) -> [f32; R] {
+unsafe fn minimums_avx2<const R: usize>(xsum: &[f32], mins: &[f32]) -> [f32; R] {
     use std::arch::x86_64::*;
-    let nb = w.len();
-    // Two accumulators per row (even and odd blocks) halve the FMA dependency chain.
-    let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    let xp = x.as_ptr();
-    for (b, block) in w.iter().enumerate() {
-        // SAFETY (all loads below): a block holds 32 bytes of q; x holds 32 values per block
-        // and row (checked by the caller).
-        let qp = block.q.as_ptr();
-        let widen = |offset: usize| unsafe {
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(qp.add(offset).cast::<__m128i>())))
-        };
-        let q = [widen(0), widen(8), widen(16), widen(24)];
-        let d = _mm256_set1_ps(block.d);
-        for (r, row_acc) in acc.iter_mut().enumerate() {
-            let row = unsafe { xp.add((r * nb + b) * QK) };
-            let (x0, x1, x2, x3) = unsafe {
-                (
-                    _mm256_loadu_ps(row),
-                    _mm256_loadu_ps(row.add(8)),
-                    _mm256_loadu_ps(row.add(16)),
-                    _mm256_loadu_ps(row.add(24)),
-                )
-            };
-            let t01 = _mm256_fmadd_ps(x1, q[1], _mm256_mul_ps(x0, q[0]));
-            let t23 = _mm256_fmadd_ps(x3, q[3], _mm256_mul_ps(x2, q[2]));
-            row_acc[b & 1] = _mm256_fmadd_ps(_mm256_add_ps(t01, t23), d, row_acc[b & 1]);
-        }
-    }
+    let nb = mins.len();
     std::array::from_fn(|r| {
-        // The minimums: 8 blocks per vector step, the rest one by one.
         let whole = nb / 8 * 8;
         let mut mv = _mm256_setzero_ps();
         for b in (0..whole).step_by(8) {
@@ -252,11 +398,129 @@ unsafe fn dot_rows_avx2<const R: usize>(x: &[f32], xsum: &[f32], w: &[Block], mi
             };
         }
         let tail = (whole..nb).fold(0f32, |t, b| xsum[r * nb + b].mul_add(mins[b], t));
-        let sum = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), mv);
+        let mut lanes = [0f32; 8];
+        // SAFETY: 8 f32 fit in `lanes`.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), mv) };
+        lanes.iter().sum::<f32>() + tail
+    })
+}
+
+/// Per row, `sum_b d_b * sum_j x_j q_j` with AVX2 + FMA: each block widened once for the R
+/// rows, then 4 products per row and one scaling by d.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `x` holds `R * w.len() * 32` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scaled_avx2<const R: usize, B: QBlock>(x: &[f32], w: &[B]) -> [f32; R] {
+    use std::arch::x86_64::*;
+    let nb = w.len();
+    // Two accumulators per row (even and odd blocks) halve the FMA dependency chain.
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    let xp = x.as_ptr();
+    for (b, block) in w.iter().enumerate() {
+        // SAFETY (all loads below): x holds 32 values per block and row (the caller's check).
+        let q = unsafe { block.widen8() };
+        let d = _mm256_set1_ps(block.d());
+        for (r, row_acc) in acc.iter_mut().enumerate() {
+            let row = unsafe { xp.add((r * nb + b) * QK) };
+            let xv: [__m256; 4] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(row.add(8 * i)) });
+            let t01 = _mm256_fmadd_ps(xv[1], q[1], _mm256_mul_ps(xv[0], q[0]));
+            let t23 = _mm256_fmadd_ps(xv[3], q[3], _mm256_mul_ps(xv[2], q[2]));
+            row_acc[b & 1] = _mm256_fmadd_ps(_mm256_add_ps(t01, t23), d, row_acc[b & 1]);
+        }
+    }
+    std::array::from_fn(|r| {
+        let sum = _mm256_add_ps(acc[r][0], acc[r][1]);
         let mut lanes = [0f32; 8];
         // SAFETY: 8 f32 fit in `lanes`.
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
-        lanes.iter().sum::<f32>() + tail
+        lanes.iter().sum::<f32>()
+    })
+}
+
+/// Block `b` of every row into accumulators `A` and `A + 1`; with `M`, the block's minimum
+/// `m` is part of the widened weights (d * q + m in one multiply-add, shared by the rows).
+///
+/// # Safety
+/// The CPU must have AVX-512 F; `x` holds `R * nb * 32` values and `b < nb`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn block_avx512<const R: usize, B: QBlock, const A: usize, const M: bool>(
+    x: &[f32],
+    nb: usize,
+    b: usize,
+    block: &B,
+    m: f32,
+    acc: &mut [[std::arch::x86_64::__m512; 4]; R],
+) {
+    use std::arch::x86_64::*;
+    // SAFETY (all loads): x holds 32 values per block and row (the caller's contract).
+    let [q0, q1] = unsafe { block.widen16() };
+    let d = _mm512_set1_ps(block.d());
+    let (w0, w1) = if M {
+        let m = _mm512_set1_ps(m);
+        (_mm512_fmadd_ps(q0, d, m), _mm512_fmadd_ps(q1, d, m))
+    } else {
+        (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d))
+    };
+    for (r, row_acc) in acc.iter_mut().enumerate() {
+        let row = unsafe { x.as_ptr().add((r * nb + b) * QK) };
+        row_acc[A] = _mm512_fmadd_ps(unsafe { _mm512_loadu_ps(row) }, w0, row_acc[A]);
+        row_acc[A + 1] = _mm512_fmadd_ps(unsafe { _mm512_loadu_ps(row.add(16)) }, w1, row_acc[A + 1]);
+    }
+}
+
+/// Per row, `sum_b sum_j x_j (d_b q_j + m_b)` with AVX-512: each block widened, scaled by d
+/// and shifted by m once for the R rows (the per-row work is then what an f16 weight costs:
+/// two multiply-adds per 32 weights), four accumulators per row (two blocks in flight, low
+/// and high halves).
+///
+/// # Safety
+/// The CPU must have AVX-512 F; `x` holds `R * w.len() * 32` values; `mins`, if any, one
+/// value per block.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn full_avx512<const R: usize, B: QBlock>(x: &[f32], w: &[B], mins: Option<&[f32]>) -> [f32; R] {
+    // SAFETY (both): forwarded from the caller.
+    match mins {
+        Some(mins) => unsafe { blocks_avx512::<R, B, true>(x, w, mins) },
+        None => unsafe { blocks_avx512::<R, B, false>(x, w, &[]) },
+    }
+}
+
+/// `full_avx512` with (`M`) or without minimums.
+///
+/// # Safety
+/// As `full_avx512`; with `M`, `mins` holds one value per block.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn blocks_avx512<const R: usize, B: QBlock, const M: bool>(x: &[f32], w: &[B], mins: &[f32]) -> [f32; R] {
+    use std::arch::x86_64::*;
+    let nb = w.len();
+    assert!(x.len() >= R * nb * QK, "blocks_avx512: x shorter than {R} x {nb} blocks");
+    assert!(!M || mins.len() == nb, "blocks_avx512: one minimum per block");
+    let m = |b: usize| if M { mins[b] } else { 0.0 };
+    let mut acc = [[_mm512_setzero_ps(); 4]; R];
+    // Two blocks per iteration with fixed accumulator indices (an index computed from the
+    // block number kept the accumulators in memory).
+    let mut b = 0;
+    while b + 2 <= nb {
+        // SAFETY (both): b + 1 < nb; the caller's contract.
+        unsafe {
+            block_avx512::<R, B, 0, M>(x, nb, b, &w[b], m(b), &mut acc);
+            block_avx512::<R, B, 2, M>(x, nb, b + 1, &w[b + 1], m(b + 1), &mut acc);
+        }
+        b += 2;
+    }
+    if b < nb {
+        // SAFETY: b < nb; the caller's contract.
+        unsafe { block_avx512::<R, B, 0, M>(x, nb, b, &w[b], m(b), &mut acc) };
+    }
+    std::array::from_fn(|r| {
+        let a = &acc[r];
+        _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])))
     })
 }
 
@@ -270,45 +534,67 @@ mod tests {
         Ok(QTensor::quantize(&w, dtype)?)
     }
 
+    /// Q4_1 alone (the nibble layout), Q8_0 alone (bytes, no minimums) and both stacked in one
+    /// matrix (bytes with minimums).
+    fn layouts() -> Result<Vec<(&'static str, QTensor, Option<QTensor>)>> {
+        let k = 96;
+        Ok(vec![
+            ("q4_1", quantized(70, k, GgmlDType::Q4_1)?, None),
+            ("q8_0", quantized(70, k, GgmlDType::Q8_0)?, None),
+            ("q4_1 + q8_0", quantized(40, k, GgmlDType::Q4_1)?, Some(quantized(30, k, GgmlDType::Q8_0)?)),
+        ])
+    }
+
     #[test]
     fn matches_the_f32_product_of_the_dequantized_weights_and_is_independent_of_batch() -> Result<()> {
-        for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
-            product_matches(dtype)?;
-        }
-        Ok(())
-    }
-
-    fn product_matches(dtype: GgmlDType) -> Result<()> {
-        // n not a multiple of the task size: the edges are exercised.
-        let (n, k) = (70, 96);
-        let qt = quantized(n, k, dtype)?;
-        let w = WqWeight::from_parts(&[&qt])?;
-        let reference_w = qt.dequantize(&Device::Cpu)?;
-        assert_eq!(w.dequantize(&Device::Cpu)?.to_vec2::<f32>()?, reference_w.to_vec2::<f32>()?, "same weights");
-        let x = Tensor::randn(0f32, 1.0, (7, k), &Device::Cpu)?;
-        let ours = w.matmul(&x)?;
-        let reference = x.matmul(&reference_w.t()?)?;
-        let diff = (&ours - &reference)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert!(diff < 1e-4, "differs from the f32 product by {diff}");
-        for row in 0..7 {
-            let alone = w.matmul(&x.narrow(0, row, 1)?)?;
-            let d = (alone - ours.narrow(0, row, 1)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
-            assert_eq!(d, 0.0, "row {row} depends on its batch");
+        for (name, first, second) in layouts()? {
+            let parts: Vec<&QTensor> = std::iter::once(&first).chain(second.as_ref()).collect();
+            let w = WqWeight::from_parts(&parts)?;
+            let reference_w = Tensor::cat(
+                &parts.iter().map(|p| p.dequantize(&Device::Cpu)).collect::<candle_core::Result<Vec<_>>>()?,
+                0,
+            )?;
+            assert_eq!(w.dequantize(&Device::Cpu)?.to_vec2::<f32>()?, reference_w.to_vec2::<f32>()?, "{name}: weights");
+            // n = 70 is not a multiple of the task size: the edges are exercised.
+            let x = Tensor::randn(0f32, 1.0, (7, w.k), &Device::Cpu)?;
+            let ours = w.matmul(&x)?;
+            let reference = x.matmul(&reference_w.t()?)?;
+            let diff = (&ours - &reference)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff < 1e-4, "{name}: differs from the f32 product by {diff}");
+            for row in 0..7 {
+                let alone = w.matmul(&x.narrow(0, row, 1)?)?;
+                let d = (alone - ours.narrow(0, row, 1)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert_eq!(d, 0.0, "{name}: row {row} depends on its batch");
+            }
         }
         Ok(())
     }
 
     #[test]
-    fn the_portable_loop_agrees_with_the_simd_kernel() -> Result<()> {
-        let qt = quantized(3, 64, GgmlDType::Q4_1)?;
-        let w = WqWeight::from_parts(&[&qt])?;
-        let x: Vec<f32> = Tensor::randn(0f32, 1.0, (1, 64), &Device::Cpu)?.flatten_all()?.to_vec1()?;
-        let xsum: Vec<f32> = x.chunks_exact(QK).map(|c| c.iter().sum()).collect();
-        for o in 0..3 {
-            let (row, mins) = (&w.blocks[o * 2..(o + 1) * 2], &w.mins[o * 2..(o + 1) * 2]);
-            let portable = dot_rows_portable::<1>(&x, &xsum, row, mins)[0];
-            let simd = dot_rows::<1>(&x, &xsum, (row, mins), simd_available())[0];
-            assert!((portable - simd).abs() < 1e-4, "{portable} vs {simd}");
+    fn every_kernel_this_cpu_has_agrees_with_the_portable_loop() -> Result<()> {
+        let mut kernels = vec![Simd::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                kernels.push(Simd::Avx2);
+            }
+            if crate::simd::detected() == crate::simd::Level::Avx512 {
+                kernels.push(Simd::Avx512);
+            }
+        }
+        for (name, first, second) in layouts()? {
+            let parts: Vec<&QTensor> = std::iter::once(&first).chain(second.as_ref()).collect();
+            let w = WqWeight::from_parts(&parts)?;
+            let x: Vec<f32> = Tensor::randn(0f32, 1.0, (5, w.k), &Device::Cpu)?.flatten_all()?.to_vec1()?;
+            let run = |simd| match &w.blocks {
+                Blocks::Nibbles(b) => w.product(b, &x, 5, simd),
+                Blocks::Bytes(b) => w.product(b, &x, 5, simd),
+            };
+            let portable = run(Simd::Portable);
+            for &kernel in &kernels {
+                let d = run(kernel).iter().zip(&portable).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(d < 1e-4, "{name}: {kernel:?} differs from the portable loop by {d}");
+            }
         }
         Ok(())
     }
