@@ -5,14 +5,14 @@
 # (PyPI; cmake from PyPI into a venv), once, under target/llamacpp/.
 # Cells: prefill pp128/512/2048; decode tg at depth 512 (batch 1); batched decode at depth
 # 512 with 1, 4 and 16 sequences (aggregate tok/s). Writes bench/results/engine/.
-#   bench/engine-vs-llamacpp.sh            (CORE=1, WEIGHTS="f16 wq")
+#   bench/engine-vs-llamacpp.sh            (CORE=1, WEIGHTS="wq f16")
 #   bench/engine-vs-llamacpp.sh --build    (only build llama.cpp)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=bench/results/engine
 work=target/llamacpp
 core="${CORE:-1}"
-weights="${WEIGHTS:-f16 wq}"
+weights="${WEIGHTS:-wq f16}"
 model="${PD_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 scripts/fetch-model.sh >/dev/null
 mkdir -p "$work" "$out"
@@ -49,7 +49,7 @@ pin "$bin/llama-batched-bench" -m "$model" -t 1 -c 9216 -b 2048 -ub 512 -npp 512
 for w in $weights; do
     echo "== pd ($w)" >&2
     pin target/release/pd-engine-bench --model "$model" --threads 1 --weights "$w" --prefill 128,512,2048 \
-        --batch 1,4,16 --context 512 --steps 128 >"$out/pd-$w.md"
+        --batch 1,4,16 --context 512 --steps 128 --breakdown >"$out/pd-$w.md"
 done
 {
     echo "Machine: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), core $core of $(nproc), one thread."

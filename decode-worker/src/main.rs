@@ -22,7 +22,7 @@ struct Args {
     #[arg(long, env = "PD_MODEL", default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
     model: PathBuf,
     /// Weights in memory: f16, f32, q8, stored or wq (the file's Q4_1/Q8_0 values, f32 activations).
-    #[arg(long, default_value = "f16")]
+    #[arg(long, default_value = "wq")]
     weights: WeightFormat,
     /// Turn off the prefix cache (every prompt computed and shipped from its first token).
     #[arg(long, env = "PD_NO_PREFIX_CACHE")]

@@ -127,8 +127,8 @@ pub enum WeightFormat {
     /// Dequantize to f32 and multiply with exact f32 activations: follows the checkpoint most
     /// closely; costs 4 bytes per weight of memory traffic in decode.
     F32,
-    /// The default. Dequantize to f16 (half the memory traffic of F32, and decode is bound by
-    /// it) and widen to f32 for the arithmetic: only the weights are rounded, to 11
+    /// Dequantize to f16 (half the memory traffic of F32, and decode is bound by it) and widen
+    /// to f32 for the arithmetic: only the weights are rounded, to 11
     /// significant bits, while activations stay f32 (Q8's 8-bit activation rounding flips
     /// near-ties). CPU only; on other devices it falls back to F32.
     F16,
@@ -137,10 +137,11 @@ pub enum WeightFormat {
     Q8,
     /// Keep weights exactly as stored (llama.cpp-style numerics; Q4_1 has no SIMD kernel on x86).
     Stored,
-    /// Weight-only quantized: Q4_1 and Q8_0 tensors keep the file's own values (repacked
-    /// losslessly to 8-bit lanes with f32 scales, 1.25 bytes per weight) and are widened to
-    /// f32 in registers; activations stay f32 (`matmul_wq`). Tensors in other formats fall
-    /// back to F16. CPU only; on other devices it falls back to F32.
+    /// The default. Weight-only quantized: Q4_1 and Q8_0 tensors keep the file's own values
+    /// (repacked losslessly: Q4_1 as nibbles with f32 scale and minimum, 0.75 bytes per
+    /// weight; Q8_0 as bytes with an f32 scale) and are widened to f32 in registers;
+    /// activations stay f32 (`matmul_wq`). Tensors in other formats fall back to F16. CPU
+    /// only; on other devices it falls back to F32.
     Wq,
 }
 
@@ -170,7 +171,7 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { device: DeviceKind::Cpu, weights: WeightFormat::F16 }
+        LoadOptions { device: DeviceKind::Cpu, weights: WeightFormat::Wq }
     }
 }
 

@@ -16,6 +16,7 @@ pub mod loader;
 mod matmul;
 mod matmul_wq;
 pub mod model;
+pub mod profile;
 pub mod sampling;
 mod simd;
 pub mod tokenizer;

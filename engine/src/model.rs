@@ -16,6 +16,7 @@ use crate::kv::cache::{KvCache, SequenceKv};
 use crate::loader::{RawTensor, TensorSource};
 use crate::matmul::small_m_matmul;
 use crate::matmul_wq::WqWeight;
+use crate::profile::{timed, Op};
 
 /// A projection `x @ W^T`; dense weights are `[out, in]`, f32 or f16 (f16 is widened to f32
 /// for the arithmetic in both paths, so both give the same numbers up to summation order).
@@ -29,15 +30,27 @@ enum Linear {
     Wq(WqWeight),
 }
 
-/// Up to this many rows a dense projection on CPU uses the small-batch kernel (weights read
-/// once for all rows); above it, gemm (prefill chunks), which is faster for many rows.
-const SMALL_BATCH_ROWS: usize = 16;
+/// Up to how many rows a projection on CPU uses the small-batch kernels (weights read once per
+/// 4 rows, widened in registers); above it, gemm over weights widened to f32 for the call
+/// (prefill chunks). With AVX-512 the small-batch kernels were as fast as gemm at 512 rows
+/// and 1.35x faster at 128 (gemm's kernels here are AVX2, and each call widens every
+/// weight first), so they take every size. With AVX2 gemm wins from about 40 rows: at 32 rows
+/// the small-batch kernel took 148 ms per step against gemm's 187, at 128 and 512 rows gemm
+/// prefilled 7% and 23% faster (`pd-engine-bench`, `PD_ENGINE_SIMD=avx2`). A cut at 16 rows
+/// made a 17-row decode step cost 1.6x a 16-row one.
+fn small_batch_rows() -> usize {
+    if crate::simd::avx512() {
+        usize::MAX
+    } else {
+        32
+    }
+}
 
 impl Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(match self {
             Linear::Dense { weight } => {
-                if x.dim(0)? <= SMALL_BATCH_ROWS && matches!(x.device(), Device::Cpu) {
+                if x.dim(0)? <= small_batch_rows() && matches!(x.device(), Device::Cpu) {
                     small_m_matmul(x, weight)?
                 } else {
                     x.matmul(&weight.to_dtype(DType::F32)?.t()?)?
@@ -45,7 +58,7 @@ impl Linear {
             }
             Linear::Quant(q) => q.forward(x)?,
             Linear::Wq(w) => {
-                if x.dim(0)? <= SMALL_BATCH_ROWS {
+                if x.dim(0)? <= small_batch_rows() {
                     w.matmul(x)?
                 } else {
                     x.matmul(&w.dequantize(x.device())?.t()?)?
@@ -241,20 +254,28 @@ impl Model {
 
         let mut x = self.embed.index_select(&ids, 0)?;
         for (layer_idx, layer) in self.layers.iter().enumerate() {
-            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
-            let qkv = layer.qkv.forward(&h)?;
-            let q = self.rope(&qkv.narrow(1, 0, q_width)?, c.num_heads, &cos, &sin)?;
-            let k = self.rope(&qkv.narrow(1, q_width, kv_width)?, c.num_kv_heads, &cos, &sin)?;
+            let h = timed(Op::Norms, || candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps))?;
+            let qkv = timed(Op::Projections, || layer.qkv.forward(&h))?;
+            let (q, k) = timed(Op::Rope, || {
+                Ok::<_, EngineError>((
+                    self.rope(&qkv.narrow(1, 0, q_width)?, c.num_heads, &cos, &sin)?,
+                    self.rope(&qkv.narrow(1, q_width, kv_width)?, c.num_kv_heads, &cos, &sin)?,
+                ))
+            })?;
             let v = qkv.narrow(1, q_width + kv_width, kv_width)?;
-            cache.write(layer_idx, &slot_index, &k, &v)?;
+            timed(Op::KvWrite, || cache.write(layer_idx, &slot_index, &k, &v))?;
             layer_done(layer_idx);
-            let attn = paged_attention(&q, cache, layer_idx, &plans, heads)?;
-            x = (x + layer.out.forward(&attn)?)?;
-            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
-            let gate_up = layer.gate_up.forward(&h)?;
+            let attn = timed(Op::Attention, || paged_attention(&q, cache, layer_idx, &plans, heads))?;
+            let out = timed(Op::Projections, || layer.out.forward(&attn))?;
+            x = timed(Op::Residual, || x + out)?;
+            let h = timed(Op::Norms, || candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps))?;
+            let gate_up = timed(Op::Projections, || layer.gate_up.forward(&h))?;
             let ffn = c.intermediate_size;
-            let act = (candle_nn::ops::silu(&gate_up.narrow(1, 0, ffn)?)? * gate_up.narrow(1, ffn, ffn)?)?;
-            x = (x + layer.down.forward(&act)?)?;
+            let act = timed(Op::Activation, || {
+                candle_nn::ops::silu(&gate_up.narrow(1, 0, ffn)?)? * gate_up.narrow(1, ffn, ffn)?
+            })?;
+            let down = timed(Op::Projections, || layer.down.forward(&act))?;
+            x = timed(Op::Residual, || x + down)?;
         }
         for (seq, plan) in batch.iter_mut().zip(&plans) {
             seq.kv.commit_len(plan.start_pos + plan.rows);
@@ -263,9 +284,11 @@ impl Model {
             return Ok(Tensor::zeros((0, c.vocab_size), DType::F32, dev)?);
         }
         let n = logit_rows.len();
-        let last = x.index_select(&Tensor::from_vec(logit_rows, n, dev)?, 0)?;
-        let last = candle_nn::ops::rms_norm(&last, &self.norm, eps)?;
-        self.lm_head.forward(&last)
+        timed(Op::LmHead, || {
+            let last = x.index_select(&Tensor::from_vec(logit_rows, n, dev)?, 0)?;
+            let last = candle_nn::ops::rms_norm(&last, &self.norm, eps)?;
+            self.lm_head.forward(&last)
+        })
     }
 
     /// Applies rotary embeddings to `[rows, heads * head_dim]`.

@@ -99,8 +99,14 @@ fn greedy_continue(engine: &Engine, kv: SequenceKv, logits: Tensor, n: usize) ->
 
 #[test]
 fn kv_handoff_keeps_greedy_tokens_identical() {
-    let prefill_side = engine(WeightFormat::F16);
-    let decode_side = engine(WeightFormat::F16);
+    for weights in [WeightFormat::Wq, WeightFormat::F16] {
+        handoff_keeps_greedy_tokens(weights);
+    }
+}
+
+fn handoff_keeps_greedy_tokens(weights: WeightFormat) {
+    let prefill_side = engine(weights);
+    let decode_side = engine(weights);
     let layers = 0..prefill_side.model().config().num_layers;
     for question in &PROMPTS[..3] {
         let prompt = chat(&prefill_side, question);

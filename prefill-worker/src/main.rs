@@ -22,7 +22,7 @@ struct Args {
     #[arg(long, env = "PD_MODEL", default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
     model: PathBuf,
     /// Weights in memory: f16, f32, q8, stored or wq (must match the decode workers').
-    #[arg(long, default_value = "f16")]
+    #[arg(long, default_value = "wq")]
     weights: WeightFormat,
     #[command(flatten)]
     step: pd_prefill::step::StepArgs,

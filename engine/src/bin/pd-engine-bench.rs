@@ -23,8 +23,9 @@ struct Args {
     model: PathBuf,
     #[arg(long, default_value_t = 1)]
     threads: usize,
-    /// f16 (default), f32, q8, stored or wq.
-    #[arg(long, default_value = "f16")]
+    /// Weights in memory: wq (default: the file's Q4_1/Q8_0 values, f32 activations), f16,
+    /// f32, q8 (re-quantized) or stored (as in the file).
+    #[arg(long, default_value = "wq")]
     weights: WeightFormat,
     /// KV cache element type: f16 (default) or f32.
     #[arg(long, default_value = "f16")]
@@ -43,6 +44,10 @@ struct Args {
     /// Decode steps timed per batch size.
     #[arg(long, default_value_t = 16)]
     steps: usize,
+    /// After the decode table, where each batch's step time goes by kind of operation
+    /// (`pd_engine::profile`), timed over a second run of the same steps.
+    #[arg(long)]
+    breakdown: bool,
     /// Also measure what one row at this context (0 = skip) costs a decode batch of 4 rows
     /// at `--context`: the step time with and without it.
     #[arg(long, default_value_t = 0)]
@@ -66,14 +71,13 @@ fn main() -> anyhow::Result<()> {
     set_compute_threads(args.threads)?;
     let max_prompt = args.prefill.iter().copied().max().unwrap_or(0);
     let max_batch = args.batch.iter().copied().max().unwrap_or(1);
-    let per_seq = args.context + args.steps + 2;
+    // Each sequence grows by the warm-up step, the timed steps and, with --breakdown, as many again.
+    let per_seq = args.context + 2 * args.steps + 2;
     let long_rows = if args.long_row > 0 { args.long_row + args.steps + 2 + per_seq * 9 } else { 0 };
-    let tokens_needed = max_prompt.max(per_seq * (max_batch + 1)) + long_rows;
-    let cache = CacheConfig {
-        prefix_cache: false,
-        dtype: args.kv_cache,
-        ..CacheConfig::with_blocks(tokens_needed.div_ceil(16) + 16)
-    };
+    // Blocks, not tokens: every sequence rounds up to whole blocks.
+    let blocks = |tokens: usize| tokens.div_ceil(CacheConfig::DEFAULT_BLOCK_SIZE);
+    let blocks_needed = blocks(max_prompt).max(blocks(per_seq) * (max_batch + 1)) + blocks(long_rows) + 16;
+    let cache = CacheConfig { prefix_cache: false, dtype: args.kv_cache, ..CacheConfig::with_blocks(blocks_needed) };
     let options = LoadOptions { weights: args.weights, ..LoadOptions::default() };
     let engine =
         Engine::load(&args.model, options, cache).with_context(|| format!("loading {}", args.model.display()))?;
@@ -123,6 +127,7 @@ fn main() -> anyhow::Result<()> {
     }
     let snapshot = engine.export_kv(&base, 0..engine.model().config().num_layers, WireDType::F32)?;
     let mut single_ms = None;
+    let mut breakdowns = Vec::new();
     for &batch in &args.batch {
         let mut seqs: Vec<SequenceKv> = (0..batch).map(|_| engine.import_kv(&snapshot)).collect::<Result<_, _>>()?;
         let mut tokens = vec![first_token; batch];
@@ -151,6 +156,20 @@ fn main() -> anyhow::Result<()> {
             base_ms / per_token,
             args.batch[0]
         );
+        if args.breakdown {
+            pd_engine::profile::enable(true);
+            pd_engine::profile::take();
+            let t = Instant::now();
+            for _ in 0..args.steps {
+                step(&mut seqs, &mut tokens)?;
+            }
+            let total = t.elapsed();
+            pd_engine::profile::enable(false);
+            breakdowns.push((batch, total, pd_engine::profile::take()));
+        }
+    }
+    if !breakdowns.is_empty() {
+        print_breakdown(&breakdowns, args.steps);
     }
     if args.long_row > 0 {
         long_row_cost(&engine, &snapshot, first_token, &args)?;
@@ -159,6 +178,30 @@ fn main() -> anyhow::Result<()> {
         println!("| peak RSS | {rss:.0} MiB |");
     }
     Ok(())
+}
+
+/// One batch size's timed steps: batch, total wall time, time per kind of operation.
+type Breakdown = (usize, std::time::Duration, Vec<(pd_engine::profile::Op, std::time::Duration)>);
+
+/// One table: per batch size, ms per step of each kind of operation and its share.
+fn print_breakdown(rows: &[Breakdown], steps: usize) {
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / steps as f64;
+    println!();
+    let ops = pd_engine::profile::Op::ALL;
+    let names: Vec<&str> = ops.iter().map(|op| op.name()).collect();
+    println!("| decode step, ms (share) | {} | rest | total |", names.join(" | "));
+    println!("|---|{}---|---|", "---|".repeat(ops.len()));
+    for (batch, total, parts) in rows {
+        let total_ms = ms(*total);
+        let cells: Vec<String> =
+            parts.iter().map(|(_, d)| format!("{:.2} ({:.0}%)", ms(*d), 100.0 * ms(*d) / total_ms)).collect();
+        let rest = total_ms - parts.iter().map(|(_, d)| ms(*d)).sum::<f64>();
+        println!(
+            "| batch {batch} | {} | {rest:.2} ({:.0}%) | {total_ms:.2} |",
+            cells.join(" | "),
+            100.0 * rest / total_ms
+        );
+    }
 }
 
 /// Mean step time over `steps` decode steps of `seqs` (one token each).

@@ -40,8 +40,9 @@ struct Args {
     /// Compute threads for this process.
     #[arg(long, env = "PD_THREADS", default_value_t = 1)]
     threads: usize,
-    /// Weights in memory: f16 (default), f32, q8 (re-quantized) or stored (as in the file).
-    #[arg(long, default_value = "f16")]
+    /// Weights in memory: wq (default: the file's Q4_1/Q8_0 values, f32 activations), f16,
+    /// f32, q8 (re-quantized) or stored (as in the file).
+    #[arg(long, default_value = "wq")]
     weights: WeightFormat,
     /// Prefill chunk size in tokens.
     #[arg(long, default_value_t = 512)]
