@@ -181,8 +181,11 @@ async fn open_leg(
     offset: usize,
 ) -> Result<Leg, RouterError> {
     let metrics = record.metrics().clone();
+    record.router_queue_ms.get_or_insert(grant.waited.as_secs_f64() * 1e3);
     let mut chosen = route(&origin.scheduler.pools, grant, &metrics, record)?;
+    let opening = Instant::now();
     let opened = open_decode(&origin.scheduler.pools, &mut chosen, req, record).await?;
+    record.decode_open_ms.get_or_insert(opening.elapsed().as_secs_f64() * 1e3);
     chosen.ticket.decode_opened();
     let decode = chosen.decode.addr.clone();
     let Route { prefill: first, ticket, .. } = chosen;

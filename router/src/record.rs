@@ -95,6 +95,11 @@ pub struct RequestRecord {
     pub decode_worker: String,
     /// Prompt tokens the router expected the chosen decode / prefill worker to hold cached.
     pub route_cached: (usize, usize),
+    /// Time in the router's own queue (admitted, waiting for room), and the decode worker's
+    /// answer to the stream's opening (its KV reservation), first leg: together with the
+    /// prefill worker's queue and compute, where a time to first token went.
+    pub router_queue_ms: Option<f64>,
+    pub decode_open_ms: Option<f64>,
     prefill: Option<PrefillTimings>,
     decode: Option<DecodeTimings>,
     first_token: Option<Instant>,
@@ -138,6 +143,8 @@ impl RequestRecord {
             prefill_worker: String::new(),
             decode_worker: String::new(),
             route_cached: (0, 0),
+            router_queue_ms: None,
+            decode_open_ms: None,
             prefill: None,
             decode: None,
             first_token: None,
@@ -254,6 +261,8 @@ impl RequestRecord {
             tenant = self.tenant.as_deref(),
             input_tokens = self.input_tokens,
             output_tokens = self.output_tokens,
+            router_queue_ms = self.router_queue_ms,
+            decode_open_ms = self.decode_open_ms,
             queue_ms = p.map(|p| p.queue_ms),
             prefill_ms = p.map(|p| p.prefill_ms),
             kv_transfer_ms = d.map(|d| d.kv_transfer_ms),

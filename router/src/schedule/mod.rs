@@ -106,20 +106,34 @@ struct Inner {
     seq: u64,
     /// When streams last ended (gave their decode capacity back): how fast a queue held by
     /// the decode side drains.
-    released: std::collections::VecDeque<Instant>,
+    released: Events,
+    /// When requests last left the queue with a grant: how fast the queue is served,
+    /// whatever holds it back.
+    granted: Events,
 }
 
-/// Stream ends remembered for the drain rate, over how long, and how many make a rate.
-const DRAIN_SAMPLES: usize = 256;
-const DRAIN_WINDOW: Duration = Duration::from_secs(5);
-const DRAIN_MIN_SAMPLES: usize = 3;
+/// Events remembered for a rate, over how long, and how many make a rate.
+const RATE_SAMPLES: usize = 256;
+const RATE_WINDOW: Duration = Duration::from_secs(5);
+const RATE_MIN_SAMPLES: usize = 3;
 
-impl Inner {
-    /// Streams ended per second over the last `DRAIN_WINDOW`; None when too few ended in it
-    /// to tell (a lightly loaded cluster, or one that just started).
-    fn drain_rate(&self, now: Instant) -> Option<f64> {
-        let n = self.released.iter().filter(|t| now - **t < DRAIN_WINDOW).count();
-        (n >= DRAIN_MIN_SAMPLES).then(|| n as f64 / DRAIN_WINDOW.as_secs_f64())
+/// Recent instants of one kind of event, for its rate.
+#[derive(Debug, Default)]
+struct Events(std::collections::VecDeque<Instant>);
+
+impl Events {
+    fn record(&mut self, at: Instant) {
+        self.0.push_back(at);
+        if self.0.len() > RATE_SAMPLES {
+            self.0.pop_front();
+        }
+    }
+
+    /// Events per second over the last `RATE_WINDOW`; None when too few happened in it to
+    /// tell (a lightly loaded cluster, or one that just started).
+    fn per_s(&self, now: Instant) -> Option<f64> {
+        let n = self.0.iter().filter(|t| now - **t < RATE_WINDOW).count();
+        (n >= RATE_MIN_SAMPLES).then(|| n as f64 / RATE_WINDOW.as_secs_f64())
     }
 }
 
@@ -168,8 +182,9 @@ impl Scheduler {
         // The wait the queue causes (the request's own prefill is not overload): the prefill
         // work ahead at the pool's rate; when no decode worker has room now, the requests
         // ahead and this one each waiting for a stream to end (a p95 at the rate streams
-        // ended lately; too few ended to tell: not counted);
-        // and at least as long again as the oldest request ahead has waited.
+        // ended lately; too few ended to tell: not counted); the queue ahead served at the
+        // rate it was lately (`backlog`); and at least as long again as the oldest request
+        // ahead has waited.
         let now = Instant::now();
         let ahead_of_me = inner.waiting.iter().filter(|w| w.priority >= class.spec.priority);
         let (queued_ahead, oldest) = ahead_of_me.fold((0, Duration::ZERO), |(n, o), w| (n + 1, o.max(now - w.arrived)));
@@ -178,16 +193,26 @@ impl Scheduler {
         let decode_wait = if inner.fleet.best_decode(need, itl).is_some() {
             Duration::ZERO
         } else {
-            policy::queue_wait(queued_ahead + 1, inner.drain_rate(now))
+            policy::queue_wait(queued_ahead + 1, inner.released.per_s(now))
+        };
+        // Behind a queue, the time for it to be served at the rate grants left it lately
+        // (a p95, as above): whichever side holds it back, prefill or decode. Without it,
+        // requests admitted behind a queue held by the decode side's ITL headroom waited
+        // up to twice their TTFT SLO under overload.
+        let backlog = if queued_ahead > 0 {
+            policy::queue_wait(queued_ahead + 1, inner.granted.per_s(now))
+        } else {
+            Duration::ZERO
         };
         let prefill_wait = policy::estimated_wait(ahead, 0, rate);
-        let wait = prefill_wait.max(decode_wait).max(oldest);
+        let wait = prefill_wait.max(decode_wait).max(oldest).max(backlog);
         tracing::debug!(
             class = %class.name,
             tokens,
             queued_ahead,
             prefill_wait_ms = prefill_wait.as_millis() as u64,
             decode_wait_ms = decode_wait.as_millis() as u64,
+            backlog_ms = backlog.as_millis() as u64,
             oldest_ms = oldest.as_millis() as u64,
             "admission estimate"
         );
@@ -274,6 +299,7 @@ impl Scheduler {
             let Some(grant) = self.place(inner, i, top) else { break };
             let w = inner.waiting.swap_remove(i);
             inner.queued_tokens[w.class] -= w.tokens as u64;
+            inner.granted.record(Instant::now());
             if let Err(mut grant) = w.reply.tx.send(grant) {
                 grant.ticket.release(inner, false); // its client left while it waited
             }
@@ -511,10 +537,7 @@ impl Ticket {
     /// Gives everything back (caller holds the lock); `ended` counts a stream that ran.
     fn release(&mut self, inner: &mut Inner, ended: bool) {
         if ended {
-            inner.released.push_back(Instant::now());
-            if inner.released.len() > DRAIN_SAMPLES {
-                inner.released.pop_front();
-            }
+            inner.released.record(Instant::now());
         }
         let fleet = &mut inner.fleet;
         self.open_locked(fleet);
@@ -537,5 +560,28 @@ impl Drop for Ticket {
             self.release(&mut inner, true);
             s.dispatch(&mut inner);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rate_needs_enough_recent_events_and_forgets_old_ones() {
+        let start = Instant::now();
+        let mut events = Events::default();
+        events.record(start);
+        events.record(start + Duration::from_millis(100));
+        assert_eq!(events.per_s(start + Duration::from_millis(200)), None, "two events tell no rate");
+        events.record(start + Duration::from_millis(200));
+        let rate = events.per_s(start + Duration::from_millis(300)).expect("three events in the window");
+        assert!((rate - 3.0 / RATE_WINDOW.as_secs_f64()).abs() < 1e-9, "{rate}");
+        // Past the window the old events no longer count.
+        assert_eq!(events.per_s(start + RATE_WINDOW + Duration::from_millis(150)), None);
+        for i in 0..RATE_SAMPLES + 10 {
+            events.record(start + Duration::from_micros(i as u64));
+        }
+        assert_eq!(events.0.len(), RATE_SAMPLES, "bounded memory");
     }
 }
