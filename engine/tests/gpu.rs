@@ -54,7 +54,10 @@ fn gpu_logits_match_the_cpu_path() {
         let want = run_alone(&cpu_model, &cpu_cache, &mut a, &[&prompt, &[5], &[9]]);
         let got = run_alone(&gpu_model, &gpu_cache, &mut b, &[&prompt, &[5], &[9]]);
         let diff = max_diff(&got, &want);
-        assert!(diff <= tolerance, "{format:?} weights, {kv:?} KV: GPU logits differ from CPU by {diff} (allowed {tolerance})");
+        assert!(
+            diff <= tolerance,
+            "{format:?} weights, {kv:?} KV: GPU logits differ from CPU by {diff} (allowed {tolerance})"
+        );
     }
 }
 

@@ -3,7 +3,8 @@
 //! Per layer one K and one V tensor shaped `[num_blocks * block_size, num_kv_heads * head_dim]`
 //! (the `[num_blocks, block_size, n_kv_heads, head_dim]` layout, flattened to slots), f16 or
 //! f32 (`KvCacheDType`), on the model's device. Values go in and come out as f32: the stored
-//! type is this module's business and the attention kernels'. The cache never owns bookkeeping: which slots belong to whom is decided
+//! type is this module's business and the attention kernels'. The cache never owns
+//! bookkeeping: which slots belong to whom is decided
 //! by `BlockManager` allocations, carried by `SequenceKv`.
 
 use candle_core::{DType, Device, Tensor};
