@@ -107,15 +107,63 @@ struct Inner {
     /// When streams last ended (gave their decode capacity back): how fast a queue held by
     /// the decode side drains.
     released: Events,
-    /// When requests last left the queue with a grant: how fast the queue is served,
-    /// whatever holds it back.
-    granted: Events,
+    /// How fast the queue of top-priority requests is served while it holds any.
+    service: Service,
 }
 
 /// Events remembered for a rate, over how long, and how many make a rate.
 const RATE_SAMPLES: usize = 256;
 const RATE_WINDOW: Duration = Duration::from_secs(5);
 const RATE_MIN_SAMPLES: usize = 3;
+
+/// Shortest time with a non-empty queue in the window that makes a service rate.
+const SERVICE_MIN_BUSY: Duration = Duration::from_millis(500);
+
+/// How fast the queue is served while it holds requests: grants of requests that had to wait,
+/// over the time the queue was not empty. Grants per second alone would follow arrivals under
+/// a light load (a burst after a quiet minute would look like a queue served at 0.2/s and be
+/// refused); while requests wait, grants come as fast as capacity frees. Only the top
+/// priority counts: batch requests are held back on purpose while interactive ones flow.
+#[derive(Debug, Default)]
+struct Service {
+    grants: Events,
+    /// Closed spans of time with a non-empty queue, oldest first, and the open one.
+    busy: std::collections::VecDeque<(Instant, Instant)>,
+    since: Option<Instant>,
+}
+
+impl Service {
+    /// Notes whether the queue holds requests now (called after every change to it).
+    fn note(&mut self, waiting: bool, now: Instant) {
+        match (waiting, self.since) {
+            (true, None) => self.since = Some(now),
+            (false, Some(start)) => {
+                self.busy.push_back((start, now));
+                if self.busy.len() > RATE_SAMPLES {
+                    self.busy.pop_front();
+                }
+                self.since = None;
+            }
+            _ => {}
+        }
+    }
+
+    /// Time the queue held requests within the last `RATE_WINDOW`.
+    fn busy_within(&self, now: Instant) -> Duration {
+        let from = now.checked_sub(RATE_WINDOW).unwrap_or(now);
+        let open = self.since.map(|s| (s, now));
+        let spans = self.busy.iter().copied().chain(open);
+        spans.map(|(a, b)| b.saturating_duration_since(a.max(from))).sum()
+    }
+
+    /// Grants per second of busy time; None when too few grants or too little busy time in
+    /// the window to tell.
+    fn per_s(&self, now: Instant) -> Option<f64> {
+        let n = self.grants.0.iter().filter(|t| now - **t < RATE_WINDOW).count();
+        let busy = self.busy_within(now);
+        (n >= RATE_MIN_SAMPLES && busy >= SERVICE_MIN_BUSY).then(|| n as f64 / busy.as_secs_f64())
+    }
+}
 
 /// Recent instants of one kind of event, for its rate.
 #[derive(Debug, Default)]
@@ -195,12 +243,12 @@ impl Scheduler {
         } else {
             policy::queue_wait(queued_ahead + 1, inner.released.per_s(now))
         };
-        // Behind a queue, the time for it to be served at the rate grants left it lately
-        // (a p95, as above): whichever side holds it back, prefill or decode. Without it,
-        // requests admitted behind a queue held by the decode side's ITL headroom waited
-        // up to twice their TTFT SLO under overload.
+        // Behind a queue, the time for it to be served at the rate it was served lately
+        // while it held requests (a p95, as above; `Service`): whichever side holds it back,
+        // prefill or decode. Without it, requests admitted behind a queue held by the decode
+        // side's ITL headroom waited up to twice their TTFT SLO under overload.
         let backlog = if queued_ahead > 0 {
-            policy::queue_wait(queued_ahead + 1, inner.granted.per_s(now))
+            policy::queue_wait(queued_ahead + 1, inner.service.per_s(now))
         } else {
             Duration::ZERO
         };
@@ -299,7 +347,11 @@ impl Scheduler {
             let Some(grant) = self.place(inner, i, top) else { break };
             let w = inner.waiting.swap_remove(i);
             inner.queued_tokens[w.class] -= w.tokens as u64;
-            inner.granted.record(Instant::now());
+            let now = Instant::now();
+            // A grant at its own arrival says nothing about how fast a queue is served.
+            if w.priority >= top && now - w.arrived >= Duration::from_millis(1) {
+                inner.service.grants.record(now);
+            }
             if let Err(mut grant) = w.reply.tx.send(grant) {
                 grant.ticket.release(inner, false); // its client left while it waited
             }
@@ -307,7 +359,10 @@ impl Scheduler {
         self.count_queued(inner);
     }
 
-    fn count_queued(&self, inner: &Inner) {
+    fn count_queued(&self, inner: &mut Inner) {
+        let top = self.top_priority();
+        let waiting = inner.waiting.iter().any(|w| w.priority >= top);
+        inner.service.note(waiting, Instant::now());
         for class in self.classes.all() {
             let n = inner.waiting.iter().filter(|w| w.class == class.index).count();
             self.metrics.queued.with_label_values(&[class.name.as_str()]).set(n as f64);
@@ -430,7 +485,7 @@ impl Scheduler {
             Some(i) => {
                 let w = inner.waiting.swap_remove(i);
                 inner.queued_tokens[w.class] -= w.tokens as u64;
-                self.count_queued(&inner);
+                self.count_queued(&mut inner);
                 true
             }
             None => false,
@@ -583,5 +638,29 @@ mod tests {
             events.record(start + Duration::from_micros(i as u64));
         }
         assert_eq!(events.0.len(), RATE_SAMPLES, "bounded memory");
+    }
+
+    #[test]
+    fn the_service_rate_counts_grants_over_the_time_the_queue_held_requests() {
+        let at = |ms: u64| Instant::now() + Duration::from_millis(ms);
+        let mut service = Service::default();
+        // Three grants, but the queue never held anything long: no rate (a light load).
+        for ms in [0, 1000, 2000] {
+            service.note(true, at(ms));
+            service.grants.record(at(ms + 10));
+            service.note(false, at(ms + 10));
+        }
+        assert_eq!(service.per_s(at(2100)), None, "30 ms of queue tells nothing");
+        // A backlog of one second served by 5 grants: 5 per second of busy time (the window
+        // holds 8 grants over 1.03 s).
+        service.note(true, at(3000));
+        for ms in [3200, 3400, 3600, 3800, 4000] {
+            service.grants.record(at(ms));
+        }
+        let rate = service.per_s(at(4000)).expect("a busy second");
+        assert!((rate - 8.0 / 1.03).abs() < 0.1, "{rate}");
+        service.note(false, at(4000));
+        // Long after, the window holds nothing.
+        assert_eq!(service.per_s(at(4000) + RATE_WINDOW + Duration::from_secs(1)), None);
     }
 }
