@@ -159,7 +159,7 @@ impl Service {
     /// Grants per second of busy time; None when too few grants or too little busy time in
     /// the window to tell.
     fn per_s(&self, now: Instant) -> Option<f64> {
-        let n = self.grants.0.iter().filter(|t| now - **t < RATE_WINDOW).count();
+        let n = self.grants.recent(now);
         let busy = self.busy_within(now);
         (n >= RATE_MIN_SAMPLES && busy >= SERVICE_MIN_BUSY).then(|| n as f64 / busy.as_secs_f64())
     }
@@ -177,10 +177,15 @@ impl Events {
         }
     }
 
+    /// Events within the last `RATE_WINDOW`.
+    fn recent(&self, now: Instant) -> usize {
+        self.0.iter().filter(|t| now - **t < RATE_WINDOW).count()
+    }
+
     /// Events per second over the last `RATE_WINDOW`; None when too few happened in it to
     /// tell (a lightly loaded cluster, or one that just started).
     fn per_s(&self, now: Instant) -> Option<f64> {
-        let n = self.0.iter().filter(|t| now - **t < RATE_WINDOW).count();
+        let n = self.recent(now);
         (n >= RATE_MIN_SAMPLES).then(|| n as f64 / RATE_WINDOW.as_secs_f64())
     }
 }
@@ -359,6 +364,8 @@ impl Scheduler {
         self.count_queued(inner);
     }
 
+    /// After any change to the queue: notes whether top-priority requests wait (`Service`)
+    /// and sets the queue-length gauges.
     fn count_queued(&self, inner: &mut Inner) {
         let top = self.top_priority();
         let waiting = inner.waiting.iter().any(|w| w.priority >= top);
