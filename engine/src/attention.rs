@@ -1,10 +1,11 @@
 //! Causal attention over the paged KV cache for a batch of sequences at different positions.
 //!
 //! Two paths with the same math:
-//! - decode rows (one new token) on CPU read K/V straight from the cache blocks, with no
-//!   gather copy, all query heads of a KV group sharing one pass over the keys;
-//! - prefill chunks (and every row on other devices) gather the sequence's K/V once and use
-//!   matrix multiplies with a causal mask, which is what makes long prompts fast.
+//! - decode rows (one new token) read K/V straight from the cache blocks, with no gather
+//!   copy: on CPU all query heads of a KV group share one pass over the keys; on CUDA one
+//!   kernel launch covers every decode row of the step (`crate::cuda::attention`);
+//! - prefill chunks gather the sequence's K/V once and use matrix multiplies with a causal
+//!   mask, which is what makes long prompts fast.
 
 use candle_core::{DType, Device, Storage, Tensor};
 use half::f16;
@@ -25,6 +26,7 @@ pub(crate) struct SeqPlan {
     pub start_pos: usize,
     /// Cache slots of positions 0 .. start_pos + rows.
     pub slots: Vec<u32>,
+    heads: Heads,
     /// For the gather path: the slots as a tensor and the causal mask, built once per step
     /// and shared by every layer.
     gather: Option<GatherInputs>,
@@ -46,7 +48,7 @@ impl SeqPlan {
         heads: Heads,
         device: &Device,
     ) -> Result<Self> {
-        let mut plan = SeqPlan { row_start, rows, start_pos, slots, gather: None };
+        let mut plan = SeqPlan { row_start, rows, start_pos, slots, heads, gather: None };
         if !plan.uses_direct_kernel(device) {
             let ctx = start_pos + rows;
             let group = heads.num_heads / heads.num_kv_heads;
@@ -65,9 +67,21 @@ impl SeqPlan {
         Ok(plan)
     }
 
-    /// Decode rows on CPU read the cache in place; everything else gathers.
+    /// Decode rows read the cache in place (on CPU, and on CUDA with the `cuda` build for
+    /// heads the kernel takes); everything else gathers.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn direct_kernel(rows: usize, heads: Heads, device: &Device) -> bool {
+        rows == 1
+            && match device {
+                Device::Cpu => true,
+                #[cfg(feature = "cuda")]
+                Device::Cuda(_) => heads.head_dim <= crate::cuda::attention::MAX_HEAD_DIM,
+                _ => false,
+            }
+    }
+
     fn uses_direct_kernel(&self, device: &Device) -> bool {
-        self.rows == 1 && matches!(device, Device::Cpu)
+        Self::direct_kernel(self.rows, self.heads, device)
     }
 }
 
@@ -91,14 +105,23 @@ pub(crate) fn paged_attention(
     let device = q.device();
     let decode_rows: Vec<usize> =
         plans.iter().enumerate().filter(|(_, p)| p.uses_direct_kernel(device)).map(|(i, _)| i).collect();
-    let mut decoded =
-        if decode_rows.is_empty() { Vec::new() } else { decode_on_cpu(q, cache, layer, plans, &decode_rows, heads)? }
-            .into_iter();
+    // `[decode rows, width]`, in plan order.
+    let decoded = match (decode_rows.is_empty(), device) {
+        (true, _) => None,
+        #[cfg(feature = "cuda")]
+        (false, Device::Cuda(_)) => Some(decode_on_cuda(q, cache, layer, plans, &decode_rows, heads)?),
+        (false, _) => {
+            let rows = decode_on_cpu(q, cache, layer, plans, &decode_rows, heads)?;
+            Some(Tensor::from_vec(rows.concat(), (decode_rows.len(), heads.num_heads * heads.head_dim), device)?)
+        }
+    };
+    let mut next_decoded = 0;
     let mut parts = Vec::with_capacity(plans.len());
     for plan in plans {
         if plan.uses_direct_kernel(device) {
-            let row = decoded.next().ok_or_else(|| EngineError::InvalidBatch("decode rows out of step".into()))?;
-            parts.push(Tensor::from_vec(row, (1, heads.num_heads * heads.head_dim), q.device())?);
+            let rows = decoded.as_ref().ok_or_else(|| EngineError::InvalidBatch("decode rows out of step".into()))?;
+            parts.push(rows.narrow(0, next_decoded, 1)?);
+            next_decoded += 1;
         } else {
             let q_seq = q.narrow(0, plan.row_start, plan.rows)?;
             parts.push(gathered_attention(&q_seq, cache, layer, plan, heads)?);
@@ -130,6 +153,23 @@ fn gathered_attention(q: &Tensor, cache: &KvCache, layer: usize, plan: &SeqPlan,
     let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&inputs.mask)?)?;
     let out = probs.matmul(&v)?; // [kvh, group*n, hd]
     Ok(out.reshape((num_heads, n, head_dim))?.transpose(0, 1)?.contiguous()?.reshape((n, num_heads * head_dim))?)
+}
+
+/// Decode attention on CUDA straight from the cache blocks: `[which.len(), width]`.
+#[cfg(feature = "cuda")]
+fn decode_on_cuda(
+    q: &Tensor,
+    cache: &KvCache,
+    layer: usize,
+    plans: &[SeqPlan],
+    which: &[usize],
+    heads: Heads,
+) -> Result<Tensor> {
+    let rows: Vec<u32> = which.iter().map(|&i| plans[i].row_start as u32).collect();
+    let q_rows = q.index_select(&Tensor::from_vec(rows, which.len(), q.device())?, 0)?;
+    let contexts: Vec<&[u32]> = which.iter().map(|&i| &plans[i].slots[..plans[i].start_pos + 1]).collect();
+    let (k_cache, v_cache) = cache.layer(layer);
+    crate::cuda::attention::paged_decode(&q_rows, k_cache, v_cache, &contexts, heads)
 }
 
 /// Decode attention on CPU straight from the cache blocks: one output row per listed plan.

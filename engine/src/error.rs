@@ -52,6 +52,9 @@ pub enum EngineError {
     /// Engine settings out of range.
     #[error("invalid engine configuration: {0}")]
     Config(String),
+    /// A CUDA driver call or one of the engine's own kernels failed (feature `cuda`).
+    #[error("CUDA {what}: {reason}")]
+    Cuda { what: String, reason: String },
     /// The tensor library failed while computing.
     #[error("tensor computation failed: {0}")]
     Compute(#[from] candle_core::Error),

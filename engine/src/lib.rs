@@ -9,6 +9,8 @@
 mod attention;
 pub mod chat;
 pub mod config;
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod engine;
 pub mod error;
 pub mod kv;

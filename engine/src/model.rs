@@ -50,7 +50,14 @@ impl Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(match self {
             Linear::Dense { weight } => {
-                if x.dim(0)? <= small_batch_rows() && matches!(x.device(), Device::Cpu) {
+                if !matches!(x.device(), Device::Cpu) {
+                    // GPU: half-precision weights multiply half-precision activations on the
+                    // tensor cores (cuBLAS accumulates in f32); the residual stream stays f32.
+                    match weight.dtype() {
+                        DType::F32 => x.matmul(&weight.t()?)?,
+                        dtype => x.to_dtype(dtype)?.matmul(&weight.t()?)?.to_dtype(DType::F32)?,
+                    }
+                } else if x.dim(0)? <= small_batch_rows() {
                     small_m_matmul(x, weight)?
                 } else {
                     x.matmul(&weight.to_dtype(DType::F32)?.t()?)?
@@ -374,9 +381,8 @@ fn linear(parts: Vec<RawTensor>, format: WeightFormat, device: &Device) -> Resul
         WeightFormat::Q8 if k.is_multiple_of(Q8_0_BLOCK) => {
             Ok(Linear::Quant(QMatMul::from_qtensor(QTensor::quantize(&dense, GgmlDType::Q8_0)?)?))
         }
-        WeightFormat::F16 | WeightFormat::Wq if matches!(device, Device::Cpu) => {
-            Ok(Linear::Dense { weight: dense.to_dtype(DType::F16)? })
-        }
+        // On a GPU `wq` has no kernel of its own: f16, like `f16`.
+        WeightFormat::F16 | WeightFormat::Wq => Ok(Linear::Dense { weight: dense.to_dtype(DType::F16)? }),
         _ => Ok(Linear::Dense { weight: dense }),
     }
 }

@@ -8,6 +8,8 @@
 //! by `BlockManager` allocations, carried by `SequenceKv`.
 
 use candle_core::{DType, Device, Tensor};
+use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 use super::blocks::{BlockAllocation, BlockId, BlockManager};
 use crate::config::{CacheConfig, ModelConfig};
@@ -22,6 +24,9 @@ pub struct KvCache {
     block_size: usize,
     num_blocks: usize,
     kv_width: usize,
+    /// Pinned host buffers for KV bytes crossing to and from a GPU.
+    #[cfg(feature = "cuda")]
+    staging: crate::cuda::staging::Staging,
 }
 
 impl KvCache {
@@ -36,7 +41,15 @@ impl KvCache {
                 Ok((Tensor::zeros((slots, kv_width), dtype, device)?, Tensor::zeros((slots, kv_width), dtype, device)?))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(KvCache { layers, dtype, block_size: config.block_size, num_blocks: config.num_blocks, kv_width })
+        Ok(KvCache {
+            layers,
+            dtype,
+            block_size: config.block_size,
+            num_blocks: config.num_blocks,
+            kv_width,
+            #[cfg(feature = "cuda")]
+            staging: Default::default(),
+        })
     }
 
     /// A block manager whose ids address this cache.
@@ -90,6 +103,65 @@ impl KvCache {
         ))
     }
 
+    /// Rows of K and V at `slots` (`[n]` u32), each `[n, kv_width]` as stored (for export).
+    pub(crate) fn gather_stored(&self, layer: usize, slots: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (k_cache, v_cache) = &self.layers[layer];
+        Ok((k_cache.index_select(slots, 0)?, v_cache.index_select(slots, 0)?))
+    }
+
+    /// Appends the values of each tensor (as stored, on this cache's device) to `out` as
+    /// `wire` (f16 or f32) bytes, in order. On a GPU the conversion runs on the device and the
+    /// copies go through pinned staging buffers, one tensor's copy overlapping the host's
+    /// handling of the one before; on CPU the conversion is half's vectorised slice one.
+    pub(crate) fn download(
+        &self,
+        tensors: impl Iterator<Item = Result<Tensor>>,
+        wire: DType,
+        out: &mut Vec<u8>,
+    ) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if self.layers.first().is_some_and(|(k, _)| k.device().is_cuda()) {
+            return self.staging.download(tensors.map(|t| Ok(t?.to_dtype(wire)?)), out);
+        }
+        for t in tensors {
+            append_as(out, &t?, wire)?;
+        }
+        Ok(())
+    }
+
+    /// A `shape` tensor on this cache's device holding `bytes` of `wire` values (f16 or f32),
+    /// ready for `write`: on CPU already in the cache's type (half's slice conversion), on a
+    /// GPU as sent (the device converts while writing).
+    pub(crate) fn upload(&self, bytes: &[u8], wire: DType, shape: (usize, usize)) -> Result<Tensor> {
+        let (k_cache, _) = &self.layers[0];
+        #[cfg(feature = "cuda")]
+        if k_cache.device().is_cuda() {
+            return self.staging.upload(k_cache, bytes, wire, shape);
+        }
+        let n = shape.0 * shape.1;
+        if bytes.len() != n * wire.size_in_bytes() {
+            return Err(EngineError::KvImport(format!("{} bytes for {n} {wire:?} values", bytes.len())));
+        }
+        let halves = || bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]])).collect::<Vec<_>>();
+        let floats = || bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect::<Vec<_>>();
+        let device = k_cache.device();
+        Ok(match (wire, self.dtype) {
+            (DType::F16, DType::F16) => Tensor::from_vec(halves(), shape, device)?,
+            (DType::F32, DType::F32) => Tensor::from_vec(floats(), shape, device)?,
+            (DType::F16, DType::F32) => {
+                let mut wide = vec![0f32; n];
+                halves().convert_to_f32_slice(&mut wide);
+                Tensor::from_vec(wide, shape, device)?
+            }
+            (DType::F32, DType::F16) => {
+                let mut narrow = vec![f16::ZERO; n];
+                narrow.convert_from_f32_slice(&floats());
+                Tensor::from_vec(narrow, shape, device)?
+            }
+            (from, to) => return Err(EngineError::KvImport(format!("no KV values from {from:?} into a {to:?} cache"))),
+        })
+    }
+
     /// Checks that `blocks` all address this cache.
     pub(crate) fn check_blocks(&self, blocks: &[BlockId]) -> Result<()> {
         match blocks.iter().find(|&&b| b as usize >= self.num_blocks) {
@@ -99,6 +171,39 @@ impl KvCache {
             None => Ok(()),
         }
     }
+}
+
+/// Appends a CPU tensor's values to `out` as `wire` bytes, converting in small chunks: a
+/// whole-tensor temporary is a fresh allocation per layer, and its page faults made an f32
+/// export 8x slower than the copy itself.
+fn append_as(out: &mut Vec<u8>, t: &Tensor, wire: DType) -> Result<()> {
+    const CHUNK: usize = 2048;
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return Err(EngineError::InvalidBatch("host KV bytes from a tensor that is not on the CPU".into()));
+    };
+    let range = layout.start_offset()..layout.start_offset() + t.elem_count();
+    match (t.dtype(), wire) {
+        (DType::F16, DType::F16) => out.extend_from_slice(bytemuck::cast_slice(&cpu.as_slice::<f16>()?[range])),
+        (DType::F32, DType::F32) => out.extend_from_slice(bytemuck::cast_slice(&cpu.as_slice::<f32>()?[range])),
+        (DType::F16, DType::F32) => {
+            let mut buf = [0f32; CHUNK];
+            for c in cpu.as_slice::<f16>()?[range].chunks(CHUNK) {
+                c.convert_to_f32_slice(&mut buf[..c.len()]);
+                out.extend_from_slice(bytemuck::cast_slice(&buf[..c.len()]));
+            }
+        }
+        (DType::F32, DType::F16) => {
+            let mut buf = [f16::ZERO; CHUNK];
+            for c in cpu.as_slice::<f32>()?[range].chunks(CHUNK) {
+                buf[..c.len()].convert_from_f32_slice(c);
+                out.extend_from_slice(bytemuck::cast_slice(&buf[..c.len()]));
+            }
+        }
+        (from, to) => return Err(EngineError::InvalidBatch(format!("no KV bytes from {from:?} to {to:?}"))),
+    }
+    Ok(())
 }
 
 /// One sequence's KV: the blocks it owns and how many token positions hold valid K/V.

@@ -9,8 +9,6 @@
 use std::ops::Range;
 
 use candle_core::{DType, Tensor};
-use half::f16;
-use half::slice::HalfFloatSliceExt;
 
 use super::blocks::BlockManager;
 use super::cache::{KvCache, SequenceKv};
@@ -34,6 +32,14 @@ impl WireDType {
         match self {
             WireDType::F16 => 2,
             WireDType::F32 => 4,
+        }
+    }
+
+    /// The tensor element type of these values.
+    pub(crate) fn dtype(self) -> DType {
+        match self {
+            WireDType::F16 => DType::F16,
+            WireDType::F32 => DType::F32,
         }
     }
 
@@ -191,14 +197,21 @@ pub fn export_kv(
         return Ok(out);
     }
     let slots = Tensor::from_vec(kv.slots(0, kv.len())?, kv.len(), model.device())?;
-    for layer in layers {
-        let (k, v) = cache.gather(layer, &slots)?;
-        for t in [k, v] {
-            let values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-            append_values(&mut out, &values, dtype);
-        }
-    }
+    cache.download(layer_tensors(cache, layers, &slots), dtype.dtype(), &mut out)?;
     Ok(out)
+}
+
+/// K then V of each layer at `slots`, as stored, produced one layer at a time as the download
+/// asks for them (so a GPU gathers layer i+1 while layer i is being copied out).
+fn layer_tensors<'a>(
+    cache: &'a KvCache,
+    layers: Range<usize>,
+    slots: &'a Tensor,
+) -> impl Iterator<Item = Result<Tensor>> + 'a {
+    layers.flat_map(move |layer| match cache.gather_stored(layer, slots) {
+        Ok((k, v)) => vec![Ok(k), Ok(v)],
+        Err(e) => vec![Err(e)],
+    })
 }
 
 /// Writes the layers in `bytes` into `kv`'s blocks, which must already cover the tokens.
@@ -230,10 +243,8 @@ pub fn import_kv_layers(model: &Model, cache: &KvCache, kv: &mut SequenceKv, byt
     let per = header.tensor_bytes();
     for (i, layer) in (header.layer_start as usize..).take(header.layer_count as usize).enumerate() {
         let at = 2 * i * per;
-        let k = read_values(&payload[at..at + per], header.dtype);
-        let v = read_values(&payload[at + per..at + 2 * per], header.dtype);
-        let k = Tensor::from_vec(k, (tokens, width), model.device())?;
-        let v = Tensor::from_vec(v, (tokens, width), model.device())?;
+        let k = cache.upload(&payload[at..at + per], header.dtype.dtype(), (tokens, width))?;
+        let v = cache.upload(&payload[at + per..at + 2 * per], header.dtype.dtype(), (tokens, width))?;
         cache.write(layer, &index, &k, &v)?;
     }
     Ok(header)
@@ -266,11 +277,8 @@ pub fn read_blocks(cache: &KvCache, layer: usize, blocks: &[u32], dtype: WireDTy
     let n = slots.len();
     let (k_cache, _) = cache.layer(layer);
     let slots = Tensor::from_vec(slots, n, k_cache.device())?;
-    let (k, v) = cache.gather(layer, &slots)?;
     let mut out = Vec::with_capacity(2 * n * cache.kv_width() * dtype.size());
-    for t in [k, v] {
-        append_values(&mut out, &t.flatten_all()?.to_vec1::<f32>()?, dtype);
-    }
+    cache.download(layer_tensors(cache, layer..layer + 1, &slots), dtype.dtype(), &mut out)?;
     Ok(out)
 }
 
@@ -293,8 +301,8 @@ pub fn write_blocks(cache: &KvCache, layer: usize, blocks: &[u32], dtype: WireDT
     let device = k_cache.device();
     let index: Vec<u32> = slots.iter().flat_map(|&s| std::iter::repeat_n(s, width)).collect();
     let index = Tensor::from_vec(index, (n, width), device)?;
-    let k = Tensor::from_vec(read_values(&data[..per], dtype), (n, width), device)?;
-    let v = Tensor::from_vec(read_values(&data[per..], dtype), (n, width), device)?;
+    let k = cache.upload(&data[..per], dtype.dtype(), (n, width))?;
+    let v = cache.upload(&data[per..], dtype.dtype(), (n, width))?;
     cache.write(layer, &index, &k, &v)
 }
 
@@ -316,32 +324,35 @@ fn block_slots(cache: &KvCache, blocks: &[u32]) -> Vec<u32> {
     blocks.iter().flat_map(|&b| (b * bs)..(b * bs + bs)).collect()
 }
 
-fn append_values(out: &mut Vec<u8>, values: &[f32], dtype: WireDType) {
-    match dtype {
-        WireDType::F32 => out.extend_from_slice(bytemuck::cast_slice(values)),
-        WireDType::F16 => {
-            let mut halves = vec![f16::ZERO; values.len()];
-            halves.convert_from_f32_slice(values);
-            out.extend_from_slice(bytemuck::cast_slice(&halves));
-        }
-    }
-}
-
-fn read_values(bytes: &[u8], dtype: WireDType) -> Vec<f32> {
-    match dtype {
-        WireDType::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-        WireDType::F16 => {
-            let halves: Vec<f16> = bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]])).collect();
-            let mut out = vec![0f32; halves.len()];
-            halves.convert_to_f32_slice(&mut out);
-            out
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::f16;
+    use half::slice::HalfFloatSliceExt;
+
+    /// The host-side conversions the wire format is defined by.
+    fn append_values(out: &mut Vec<u8>, values: &[f32], dtype: WireDType) {
+        match dtype {
+            WireDType::F32 => out.extend_from_slice(bytemuck::cast_slice(values)),
+            WireDType::F16 => {
+                let mut halves = vec![f16::ZERO; values.len()];
+                halves.convert_from_f32_slice(values);
+                out.extend_from_slice(bytemuck::cast_slice(&halves));
+            }
+        }
+    }
+
+    fn read_values(bytes: &[u8], dtype: WireDType) -> Vec<f32> {
+        match dtype {
+            WireDType::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            WireDType::F16 => {
+                let halves: Vec<f16> = bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]])).collect();
+                let mut out = vec![0f32; halves.len()];
+                halves.convert_to_f32_slice(&mut out);
+                out
+            }
+        }
+    }
 
     #[test]
     fn header_round_trips_and_rejects_garbage() {
@@ -414,6 +425,64 @@ mod tests {
         let back = read_values(&buf, WireDType::F16);
         for (a, b) in values.iter().zip(&back) {
             assert!((a - b).abs() <= a.abs() * 1e-3, "{a} vs {b}");
+        }
+    }
+
+    /// Export converts on the cache's device (candle's `to_dtype`) and import parses bytes into
+    /// tensors: both must give exactly the bytes and values of the host conversions above, for
+    /// every cache type and wire type.
+    #[test]
+    fn device_side_conversion_gives_the_host_conversion_bytes() -> Result<()> {
+        use crate::config::{CacheConfig, KvCacheDType, ModelConfig, RopeStyle};
+        let model = ModelConfig {
+            vocab_size: 8,
+            hidden_size: 16,
+            intermediate_size: 8,
+            num_layers: 1,
+            num_heads: 2,
+            num_kv_heads: 2,
+            head_dim: 8,
+            max_position: 64,
+            rope_theta: 10000.0,
+            rms_norm_eps: 1e-5,
+            rope_style: RopeStyle::Halves,
+        };
+        let dev = candle_core::Device::Cpu;
+        let slots = 8;
+        let k = (Tensor::randn(0f32, 3.0, (slots, 16), &dev)? * 1.0001)?;
+        let v = Tensor::randn(0f32, 0.01, (slots, 16), &dev)?;
+        let index: Vec<u32> = (0..slots as u32).flat_map(|s| [s; 16]).collect();
+        let index = Tensor::from_vec(index, (slots, 16), &dev)?;
+        for cache_dtype in [KvCacheDType::F32, KvCacheDType::F16] {
+            let config =
+                CacheConfig { prefix_cache: false, block_size: 4, dtype: cache_dtype, ..CacheConfig::with_blocks(2) };
+            let cache = KvCache::new(&model, &config, &dev)?;
+            cache.write(0, &index, &k, &v)?;
+            let slot_ids = Tensor::arange(0u32, slots as u32, &dev)?;
+            let (k_stored, v_stored) = cache.gather(0, &slot_ids)?;
+            for wire in [WireDType::F16, WireDType::F32] {
+                let mut want = Vec::new();
+                for t in [&k_stored, &v_stored] {
+                    append_values(&mut want, &t.flatten_all()?.to_vec1::<f32>()?, wire);
+                }
+                let got = read_blocks(&cache, 0, &[0, 1], wire)?;
+                assert_eq!(got, want, "{cache_dtype:?} cache, {wire:?} wire");
+                let target = KvCache::new(&model, &config, &dev)?;
+                write_blocks(&target, 0, &[1, 0], wire, &got)?;
+                let swapped = Tensor::from_vec(vec![4u32, 5, 6, 7, 0, 1, 2, 3], slots, &dev)?;
+                let (k_back, _) = target.gather(0, &swapped)?;
+                let k_want = read_values(&want[..want.len() / 2], wire);
+                let k_want = cache_dtype_round(&k_want, cache_dtype);
+                assert_eq!(k_back.flatten_all()?.to_vec1::<f32>()?, k_want, "{cache_dtype:?} cache, {wire:?} wire");
+            }
+        }
+        Ok(())
+    }
+
+    fn cache_dtype_round(values: &[f32], dtype: crate::config::KvCacheDType) -> Vec<f32> {
+        match dtype {
+            crate::config::KvCacheDType::F32 => values.to_vec(),
+            crate::config::KvCacheDType::F16 => values.iter().map(|&x| f16::from_f32(x).to_f32()).collect(),
         }
     }
 }
