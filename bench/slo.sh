@@ -10,12 +10,16 @@
 #   4. goodput at fixed SLOs, disaggregated (up.sh) vs colocated (one pd-decode, 2 threads,
 #      chunked prefill) on the same 2 cores, same load.
 # The load generator runs on core 0 (with the router and the prefill worker).
-#   bench/slo.sh [DURATION_S]      (default 60; writes bench/results/slo/)
+#   bench/slo.sh [DURATION_S]      (default 60; writes bench/results/slo/). The interference
+#                                  and goodput runs take INTERFERENCE_S (default twice that):
+#                                  their p95s are over ~200 requests instead of ~100, which a
+#                                  few colliding short prompts no longer decide.
 #   PARTS="overload" bench/slo.sh 30   (rerun some parts: interference capacity overload
 #                                       goodput; the summary reads every part's last run)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 duration="${1:-60}"
+interference_s="${INTERFERENCE_S:-$((2 * duration))}"
 out=bench/results/slo
 model="${PD_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 bin=target/release
@@ -74,9 +78,9 @@ peak_rss() { # the peak resident memory of every pd process now running, in MB
 
 # 1. interference, one configuration (up.sh as it starts)
 has interference && for variant in base docs; do
-    echo "== interference / $variant ($duration s)" >&2
+    echo "== interference / $variant ($interference_s s)" >&2
     up "interference-$variant"
-    bench "interference/$variant" "bench/scenarios/interference-$variant.txt"
+    bench "interference/$variant" "bench/scenarios/interference-$variant.txt" "$interference_s"
     stop
 done
 
@@ -118,16 +122,16 @@ fi
 
 # 4. goodput: colocated on the same cores and load
 if has goodput; then
-    echo "== colocated / docs ($duration s)" >&2
+    echo "== colocated / docs ($interference_s s)" >&2
     colocated
-    bench "colocated/docs" bench/scenarios/interference-docs.txt
+    bench "colocated/docs" bench/scenarios/interference-docs.txt "$interference_s"
     for p in $colocated_pids; do kill -TERM "$p" 2>/dev/null || true; done
     wait 2>/dev/null || true
     cluster_pid=""
 fi
 
 header="Machine: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores.
-Command: \`bench/slo.sh $duration\` ($(date -u +%Y-%m-%d)); cluster: \`deploy/local/up.sh\` defaults.
+Command: \`bench/slo.sh $duration\` (interference and goodput runs $interference_s s; $(date -u +%Y-%m-%d)); cluster: \`deploy/local/up.sh\` defaults.
 
 "
 "$bin/pd-bench" compare --out "$out" --class interactive --header "$header" \

@@ -5,7 +5,10 @@
 //! step; the budget bounds the document's share). Prompts are ranked shortest
 //! remaining first, except that one waiting longer than `max_wait` since its last chunk goes
 //! first, so a short prompt that arrives during a document is prefilled in the next step
-//! beside the document's chunk, and the document still advances every step.
+//! beside the document's chunk, and the document still advances every step. While short
+//! prompts are about (one arrived in the last `short_window`) the step target drops to
+//! `short_target`: a short prompt then waits for a shorter document step, and its own step
+//! carries no document chunk the budget cannot afford.
 //!
 //! Plain functions over plain data; the loop that runs them is `steps`.
 
@@ -35,6 +38,12 @@ pub struct StepConfig {
     pub max_chunk: usize,
     /// A prompt that has waited this long since its last chunk goes first.
     pub max_wait: Duration,
+    /// Step target while short prompts are about (one arrived within `short_window`): steps
+    /// of long prompts shrink so that a short prompt arriving mid-step waits less, and a long
+    /// prompt's chunk no longer rides along in a step carrying short prompts.
+    pub short_target: Duration,
+    /// How long after a short prompt's arrival `short_target` holds (zero: never).
+    pub short_window: Duration,
 }
 
 impl StepConfig {
@@ -49,6 +58,23 @@ impl StepConfig {
             short_chunk: 0,
             max_chunk: chunk.max(1),
             max_wait: Duration::from_secs(3600),
+            short_target: Duration::from_secs(3600),
+            short_window: Duration::ZERO,
+        }
+    }
+
+    /// Whether a prompt of `len` tokens counts as short (not long).
+    pub fn is_short(&self, len: usize) -> bool {
+        len <= self.long_threshold
+    }
+
+    /// The policy for the next step, given how long ago the last short prompt arrived.
+    pub fn for_step(&self, since_short: Option<Duration>) -> StepConfig {
+        match since_short {
+            Some(age) if age < self.short_window => {
+                StepConfig { target: self.target.min(self.short_target), ..*self }
+            }
+            _ => *self,
         }
     }
 }

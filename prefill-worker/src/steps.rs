@@ -81,7 +81,14 @@ impl Steps {
     pub fn start(engine: Arc<Engine>, config: StepConfig) -> std::io::Result<Self> {
         let (submit, rx) = std_mpsc::channel();
         let rate = Arc::new(AtomicU64::new(0));
-        let state = Loop { engine, config, cost: CostModel::default(), active: Vec::new(), rate: rate.clone() };
+        let state = Loop {
+            engine,
+            config,
+            cost: CostModel::default(),
+            active: Vec::new(),
+            rate: rate.clone(),
+            last_short: None,
+        };
         std::thread::Builder::new().name("pd-prefill-steps".into()).spawn(move || state.run(rx))?;
         Ok(Steps { submit, config, rate })
     }
@@ -112,6 +119,8 @@ struct Loop {
     cost: CostModel,
     active: Vec<Active>,
     rate: Arc<AtomicU64>,
+    /// When the last short prompt arrived (`StepConfig::for_step`).
+    last_short: Option<Instant>,
 }
 
 impl Loop {
@@ -136,6 +145,9 @@ impl Loop {
     }
 
     fn accept(&mut self, s: Submitted) {
+        if self.config.is_short(s.prompt.len()) {
+            self.last_short = Some(s.arrived);
+        }
         let a =
             Active { prompt: s.prompt, done: 0, kv: None, events: s.events, since: s.arrived, compute: Duration::ZERO };
         self.active.push(a);
@@ -153,7 +165,8 @@ impl Loop {
                 waited: a.since.elapsed(),
             })
             .collect();
-        let mut planned = plan(&cands, &self.config, &self.cost);
+        let config = self.config.for_step(self.last_short.map(|t| t.elapsed()));
+        let mut planned = plan(&cands, &config, &self.cost);
         planned.retain(|&(i, _)| self.take_blocks(i));
         // A prompt that started on cached blocks has fewer tokens left than planned.
         for (i, t) in planned.iter_mut() {

@@ -44,6 +44,8 @@ struct Timings {
 
 #[derive(Default)]
 struct State {
+    /// When the last short prompt arrived (`StepConfig::for_step`).
+    last_short: Option<Instant>,
     jobs: Vec<Job>,
     next_id: u64,
 }
@@ -111,7 +113,8 @@ impl SimPrefill {
                         waited: now.duration_since(j.last_turn),
                     })
                     .collect();
-                let picked = plan(&cands, &self.step, &planner);
+                let step = self.step.for_step(s.last_short.map(|t| now.duration_since(t)));
+                let picked = plan(&cands, &step, &planner);
                 let chunks: Vec<(usize, usize)> = picked.iter().map(|&(i, t)| (t, cands[i].done)).collect();
                 let chosen: Vec<(u64, usize)> = picked.iter().map(|&(i, t)| (s.jobs[i].id, t)).collect();
                 (chosen, chunks)
@@ -222,6 +225,9 @@ impl pb::prefill_worker_server::PrefillWorker for SimPrefill {
             let id = s.next_id;
             s.next_id += 1;
             let len = req.prompt_tokens.len();
+            if self.step.is_short(len) {
+                s.last_short = Some(now);
+            }
             s.jobs.push(Job { id, len, done: 0, arrived: now, last_turn: now, started: None, finished });
         }
         self.wake.notify_one();

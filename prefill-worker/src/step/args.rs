@@ -38,6 +38,15 @@ pub struct StepArgs {
     /// last chunk (milliseconds) goes first instead, so long prompts progress.
     #[arg(long, env = "PD_MAX_WAIT_MS", default_value_t = 2_000)]
     pub max_wait_ms: u64,
+    /// Step target (milliseconds) while short prompts are about (one arrived within
+    /// --short-window-ms): long prompts advance in shorter steps, so a short prompt arriving
+    /// mid-step waits less and its own step carries no long chunk beyond the budget.
+    #[arg(long, env = "PD_SHORT_STEP_TARGET_MS", default_value_t = 25)]
+    pub short_step_target_ms: u64,
+    /// How long after a short prompt arrived --short-step-target-ms holds (milliseconds;
+    /// 0: never).
+    #[arg(long, default_value_t = 3_000)]
+    pub short_window_ms: u64,
 }
 
 /// For `StepArgs::default`: the flags alone, parsed from nothing.
@@ -64,6 +73,7 @@ impl StepArgs {
             ("--max-long-partial-prefills", self.max_long_partial_prefills as u64),
             ("--min-chunk", self.min_chunk as u64),
             ("--step-target-ms", self.step_target_ms),
+            ("--short-step-target-ms", self.short_step_target_ms),
         ] {
             if value == 0 {
                 return Err(format!("{flag} must be at least 1"));
@@ -78,6 +88,8 @@ impl StepArgs {
             short_chunk: self.short_chunk,
             max_chunk: self.chunk,
             max_wait: Duration::from_millis(self.max_wait_ms),
+            short_target: Duration::from_millis(self.short_step_target_ms),
+            short_window: Duration::from_millis(self.short_window_ms),
         })
     }
 }

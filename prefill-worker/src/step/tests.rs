@@ -10,6 +10,8 @@ fn cfg() -> StepConfig {
         short_chunk: 0,
         max_chunk: 512,
         max_wait: Duration::from_secs(2),
+        short_target: Duration::from_millis(50),
+        short_window: Duration::from_secs(3),
     }
 }
 
@@ -76,4 +78,40 @@ fn short_prompts_get_their_short_chunk_whatever_the_budget_and_long_ones_do_not(
     assert_eq!(step.len(), 1, "no budget left for the document this step");
     let step = plan(&[cand(1500, 548, 10)], &config, &cost);
     assert!(step[0].1 < 64, "the document alone keeps to the budget: {step:?}");
+}
+
+#[test]
+fn while_short_prompts_are_about_steps_shrink_and_carry_no_long_chunk_beyond_the_budget() {
+    let cost = CostModel::default();
+    let config = StepConfig { short_chunk: 128, ..cfg() };
+    // No short prompt lately (or never): the full target.
+    for since in [None, Some(Duration::from_secs(4))] {
+        assert_eq!(config.for_step(since).target, Duration::from_millis(150));
+    }
+    let about = config.for_step(Some(Duration::from_millis(500)));
+    assert_eq!(about.target, Duration::from_millis(50));
+    assert_eq!(StepConfig { short_window: Duration::ZERO, ..config }.for_step(Some(Duration::ZERO)).target, config.target);
+    // A document alone: a smaller chunk in a shorter step.
+    let doc = [cand(1500, 548, 0)];
+    let (full, short) = (plan(&doc, &config, &cost)[0].1, plan(&doc, &about, &cost)[0].1);
+    assert!(short < full && short >= config.min_chunk, "document chunk {short} while short prompts are about, {full} otherwise");
+    assert!(cost.predict(&[(short, 548)]) <= Duration::from_millis(50) || short == config.min_chunk);
+    // A short prompt and the document: the short one alone when its chunk fills the budget.
+    let both = [cand(1500, 548, 0), cand(60, 0, 0)];
+    assert_eq!(plan(&both, &about, &cost), vec![(1, 60)]);
+    let with_doc = plan(&both, &config, &cost);
+    assert_eq!(with_doc[0], (1, 60));
+    // The document still advances: once it has waited max_wait it goes first.
+    let starved = [cand(1500, 548, 2_500), cand(60, 0, 0)];
+    assert_eq!(plan(&starved, &about, &cost)[0].0, 0);
+    assert!(plan(&starved, &about, &cost).iter().any(|&(i, t)| i == 1 && t == 60));
+}
+
+#[test]
+fn the_step_flags_are_checked_and_reach_the_policy() {
+    let args = crate::step::StepArgs::default();
+    let c = args.config().expect("defaults are valid");
+    assert_eq!((c.short_target, c.short_window), (Duration::from_millis(25), Duration::from_secs(3)));
+    let bad = crate::step::StepArgs { short_step_target_ms: 0, ..args };
+    assert!(bad.config().expect_err("zero").contains("--short-step-target-ms"));
 }
