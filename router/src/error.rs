@@ -34,6 +34,10 @@ pub enum RouterError {
     /// No worker of a pool answers.
     #[error("no {0} worker is available")]
     NoWorker(&'static str),
+    /// An admitted request waited far past its class's queue age without being served: the
+    /// workers are not taking requests (not an overload refusal: those come at admission).
+    #[error("{0}")]
+    QueueStalled(String),
     /// A worker failed while serving the request.
     #[error("{stage} failed: {message}")]
     Worker { stage: &'static str, message: String },
@@ -66,6 +70,7 @@ impl RouterError {
             RouterError::OverClassLimit(_) => "over_class_limit",
             RouterError::Overloaded { .. } => "overloaded",
             RouterError::NoWorker(_) => "no_worker",
+            RouterError::QueueStalled(_) => "queue_stalled",
             RouterError::Worker { .. } => "worker_failed",
             RouterError::Migration(_) => "migration_failed",
             RouterError::Unauthorized(_) => "unauthorized",
@@ -83,7 +88,10 @@ impl RouterError {
             RouterError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             RouterError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             RouterError::ClientTooSlow(_) => StatusCode::REQUEST_TIMEOUT,
-            RouterError::NoWorker(_) | RouterError::Worker { .. } | RouterError::Migration(_) => {
+            RouterError::NoWorker(_)
+            | RouterError::QueueStalled(_)
+            | RouterError::Worker { .. }
+            | RouterError::Migration(_) => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
         }
@@ -101,7 +109,10 @@ impl RouterError {
             RouterError::Overloaded { .. } => "rate_limit_error",
             RouterError::Unauthorized(_) => "authentication_error",
             RouterError::ClientTooSlow(_) => "timeout_error",
-            RouterError::NoWorker(_) | RouterError::Worker { .. } | RouterError::Migration(_) => "service_unavailable",
+            RouterError::NoWorker(_)
+            | RouterError::QueueStalled(_)
+            | RouterError::Worker { .. }
+            | RouterError::Migration(_) => "service_unavailable",
         }
     }
 
@@ -129,7 +140,10 @@ impl RouterError {
             RouterError::Overloaded { retry_after_s, .. } => retry_status(self.to_string(), *retry_after_s),
             RouterError::Unauthorized(_) => tonic::Status::unauthenticated(self.to_string()),
             RouterError::ClientTooSlow(_) => tonic::Status::deadline_exceeded(self.to_string()),
-            RouterError::NoWorker(_) | RouterError::Worker { .. } | RouterError::Migration(_) => {
+            RouterError::NoWorker(_)
+            | RouterError::QueueStalled(_)
+            | RouterError::Worker { .. }
+            | RouterError::Migration(_) => {
                 tonic::Status::unavailable(self.to_string())
             }
         }

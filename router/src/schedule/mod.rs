@@ -243,20 +243,21 @@ impl Scheduler {
         let (queued_ahead, oldest) = ahead_of_me.fold((0, Duration::ZERO), |(n, o), w| (n + 1, o.max(now - w.arrived)));
         let itl = Duration::from_millis(class.spec.itl_slo_ms);
         let need = inner.fleet.decode.first().map_or(0, |d| d.blocks_for(tokens + max_tokens));
-        let decode_wait = if inner.fleet.best_decode(need, itl).is_some() {
+        let decode_room = inner.fleet.best_decode(need, itl).is_some();
+        let decode_wait = if decode_room {
             Duration::ZERO
         } else {
             policy::queue_wait(queued_ahead + 1, inner.released.per_s(now))
         };
-        // Behind a queue, the time for it to be served at the rate it was served lately
-        // while it held requests (a p95, as above; `Service`): whichever side holds it back,
-        // prefill or decode. Without it, requests admitted behind a queue held by the decode
-        // side's ITL headroom waited up to twice their TTFT SLO under overload.
-        let backlog = if queued_ahead > 0 {
-            policy::queue_wait(queued_ahead + 1, inner.service.per_s(now))
-        } else {
-            Duration::ZERO
-        };
+        // Behind a queue, or at its head when it cannot be placed now, the time for the
+        // queue to be served at the rate it was served lately while it held requests (a p95,
+        // as above; `Service`): whichever side holds it back, prefill or decode. Without it,
+        // requests admitted behind a queue held by the decode side's ITL headroom waited up
+        // to twice their TTFT SLO under overload, and ones admitted onto an empty queue while
+        // every prefill slot was taken waited up to 2.7 s for a slot and decode room at once.
+        let top = class.spec.priority >= self.top_priority();
+        let prefill_room = self.pools.prefill.specs_empty() || inner.fleet.prefill.iter().any(|p| p.has_room(top));
+        let backlog = policy::backlog_wait(queued_ahead, decode_room && prefill_room, inner.service.per_s(now));
         let prefill_wait = policy::estimated_wait(ahead, 0, rate);
         let wait = prefill_wait.max(decode_wait).max(oldest).max(backlog);
         tracing::debug!(
@@ -269,10 +270,14 @@ impl Scheduler {
             oldest_ms = oldest.as_millis() as u64,
             "admission estimate"
         );
+        let oldest_of_class =
+            inner.waiting.iter().filter(|w| w.class == class.index).map(|w| now - w.arrived).max().unwrap_or_default();
         let budget = policy::Budget {
             queued_tokens: inner.queued_tokens[class.index],
             max_queued_tokens: class.spec.max_queued_tokens,
             ttft_slo: class.ttft_slo(),
+            oldest_waiting: oldest_of_class,
+            max_queue_age: class.max_queue_age(),
         };
         let own = policy::estimated_wait(0, work, rate);
         policy::admit(&class.name, tokens, budget, wait, own, rate)
@@ -333,7 +338,7 @@ impl Scheduler {
             seq,
             class: class.clone(),
             rx: Some(rx),
-            expires: now + class.max_queue_age(),
+            expires: now + class.max_queue_age() * STALL_FACTOR,
         }
     }
 
@@ -500,6 +505,9 @@ impl Scheduler {
     }
 }
 
+/// An admitted request that waits this many times its class's queue age fails with 503.
+const STALL_FACTOR: u32 = 4;
+
 /// A request in the queue; dropping it withdraws the request.
 #[derive(Debug)]
 pub struct Pending {
@@ -511,11 +519,13 @@ pub struct Pending {
 }
 
 impl Pending {
-    /// Waits for the grant, up to the class's queue age (then 429).
+    /// Waits for the grant. An admitted request is not refused later: the class's queue age
+    /// is a budget checked at admission (a queue whose oldest request is past it refuses new
+    /// ones at once). Only a request still waiting at `STALL_FACTOR` times the queue age,
+    /// which means the workers are not taking requests, fails (503).
     pub async fn granted(mut self) -> Result<Grant, RouterError> {
         let Some(rx) = self.rx.take() else { return Err(RouterError::NoWorker("decode")) };
         let outcome = tokio::time::timeout_at(self.expires.into(), rx).await;
-        let waited = self.class.max_queue_age();
         match outcome {
             Ok(Ok(grant)) => {
                 self.scheduler
@@ -528,14 +538,12 @@ impl Pending {
             Ok(Err(_)) => Err(RouterError::NoWorker("decode")),
             Err(_) => {
                 self.scheduler.withdraw(self.seq);
-                Err(RouterError::Overloaded {
-                    message: format!(
-                        "waited {} ms in the queue of class `{}` (max_queue_age_ms) without a free worker",
-                        waited.as_millis(),
-                        self.class.name
-                    ),
-                    retry_after_s: policy::retry_after(waited / 2),
-                })
+                Err(RouterError::QueueStalled(format!(
+                    "waited {} ms in the queue of class `{}` ({STALL_FACTOR}x its max_queue_age_ms) without a worker \
+                     taking it",
+                    (self.class.max_queue_age() * STALL_FACTOR).as_millis(),
+                    self.class.name
+                )))
             }
         }
     }
