@@ -71,9 +71,7 @@ impl StepConfig {
     /// The policy for the next step, given how long ago the last short prompt arrived.
     pub fn for_step(&self, since_short: Option<Duration>) -> StepConfig {
         match since_short {
-            Some(age) if age < self.short_window => {
-                StepConfig { target: self.target.min(self.short_target), ..*self }
-            }
+            Some(age) if age < self.short_window => StepConfig { target: self.target.min(self.short_target), ..*self },
             _ => *self,
         }
     }

@@ -91,9 +91,7 @@ impl RouterError {
             RouterError::NoWorker(_)
             | RouterError::QueueStalled(_)
             | RouterError::Worker { .. }
-            | RouterError::Migration(_) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            | RouterError::Migration(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -143,9 +141,7 @@ impl RouterError {
             RouterError::NoWorker(_)
             | RouterError::QueueStalled(_)
             | RouterError::Worker { .. }
-            | RouterError::Migration(_) => {
-                tonic::Status::unavailable(self.to_string())
-            }
+            | RouterError::Migration(_) => tonic::Status::unavailable(self.to_string()),
         }
     }
 }

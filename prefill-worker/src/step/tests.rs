@@ -90,11 +90,17 @@ fn while_short_prompts_are_about_steps_shrink_and_carry_no_long_chunk_beyond_the
     }
     let about = config.for_step(Some(Duration::from_millis(500)));
     assert_eq!(about.target, Duration::from_millis(50));
-    assert_eq!(StepConfig { short_window: Duration::ZERO, ..config }.for_step(Some(Duration::ZERO)).target, config.target);
+    assert_eq!(
+        StepConfig { short_window: Duration::ZERO, ..config }.for_step(Some(Duration::ZERO)).target,
+        config.target
+    );
     // A document alone: a smaller chunk in a shorter step.
     let doc = [cand(1500, 548, 0)];
     let (full, short) = (plan(&doc, &config, &cost)[0].1, plan(&doc, &about, &cost)[0].1);
-    assert!(short < full && short >= config.min_chunk, "document chunk {short} while short prompts are about, {full} otherwise");
+    assert!(
+        short < full && short >= config.min_chunk,
+        "document chunk {short} while short prompts are about, {full} otherwise"
+    );
     assert!(cost.predict(&[(short, 548)]) <= Duration::from_millis(50) || short == config.min_chunk);
     // A short prompt and the document: the short one alone when its chunk fills the budget.
     let both = [cand(1500, 548, 0), cand(60, 0, 0)];

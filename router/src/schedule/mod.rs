@@ -244,11 +244,8 @@ impl Scheduler {
         let itl = Duration::from_millis(class.spec.itl_slo_ms);
         let need = inner.fleet.decode.first().map_or(0, |d| d.blocks_for(tokens + max_tokens));
         let decode_room = inner.fleet.best_decode(need, itl).is_some();
-        let decode_wait = if decode_room {
-            Duration::ZERO
-        } else {
-            policy::queue_wait(queued_ahead + 1, inner.released.per_s(now))
-        };
+        let decode_wait =
+            if decode_room { Duration::ZERO } else { policy::queue_wait(queued_ahead + 1, inner.released.per_s(now)) };
         // Behind a queue, or at its head when it cannot be placed now, the time for the
         // queue to be served at the rate it was served lately while it held requests (a p95,
         // as above; `Service`): whichever side holds it back, prefill or decode. Without it,
