@@ -210,6 +210,12 @@ mod tests {
             ),
             (RouterError::NoWorker("decode"), StatusCode::SERVICE_UNAVAILABLE, Code::Unavailable, "no_worker"),
             (
+                RouterError::QueueStalled("x".into()),
+                StatusCode::SERVICE_UNAVAILABLE,
+                Code::Unavailable,
+                "queue_stalled",
+            ),
+            (
                 RouterError::Worker { stage: "prefill", message: "x".into() },
                 StatusCode::SERVICE_UNAVAILABLE,
                 Code::Unavailable,

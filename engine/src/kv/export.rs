@@ -330,6 +330,28 @@ mod tests {
     use half::f16;
     use half::slice::HalfFloatSliceExt;
 
+    /// A model geometry for KV tests: only the layer count and KV heads matter here.
+    fn kv_model(
+        num_layers: usize,
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+    ) -> crate::config::ModelConfig {
+        crate::config::ModelConfig {
+            vocab_size: 8,
+            hidden_size: num_heads * head_dim,
+            intermediate_size: 8,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            max_position: 64,
+            rope_theta: 10000.0,
+            rms_norm_eps: 1e-5,
+            rope_style: crate::config::RopeStyle::Halves,
+        }
+    }
+
     /// The host-side conversions the wire format is defined by.
     fn append_values(out: &mut Vec<u8>, values: &[f32], dtype: WireDType) {
         match dtype {
@@ -380,20 +402,8 @@ mod tests {
 
     #[test]
     fn block_payloads_round_trip_into_other_blocks() -> Result<()> {
-        use crate::config::{CacheConfig, ModelConfig, RopeStyle};
-        let model = ModelConfig {
-            vocab_size: 8,
-            hidden_size: 8,
-            intermediate_size: 8,
-            num_layers: 2,
-            num_heads: 2,
-            num_kv_heads: 1,
-            head_dim: 4,
-            max_position: 64,
-            rope_theta: 10000.0,
-            rms_norm_eps: 1e-5,
-            rope_style: RopeStyle::Halves,
-        };
+        use crate::config::CacheConfig;
+        let model = kv_model(2, 2, 1, 4);
         let dev = candle_core::Device::Cpu;
         let config = CacheConfig { prefix_cache: false, block_size: 2, ..CacheConfig::with_blocks(6) };
         let source = KvCache::new(&model, &config, &dev)?;
@@ -428,25 +438,13 @@ mod tests {
         }
     }
 
-    /// Export converts on the cache's device (candle's `to_dtype`) and import parses bytes into
-    /// tensors: both must give exactly the bytes and values of the host conversions above, for
-    /// every cache type and wire type.
+    /// Export converts straight from the cache in chunks and import parses bytes into the
+    /// cache's type: both must give exactly the bytes and values of the host conversions above,
+    /// for every cache type and wire type.
     #[test]
     fn device_side_conversion_gives_the_host_conversion_bytes() -> Result<()> {
-        use crate::config::{CacheConfig, KvCacheDType, ModelConfig, RopeStyle};
-        let model = ModelConfig {
-            vocab_size: 8,
-            hidden_size: 16,
-            intermediate_size: 8,
-            num_layers: 1,
-            num_heads: 2,
-            num_kv_heads: 2,
-            head_dim: 8,
-            max_position: 64,
-            rope_theta: 10000.0,
-            rms_norm_eps: 1e-5,
-            rope_style: RopeStyle::Halves,
-        };
+        use crate::config::{CacheConfig, KvCacheDType};
+        let model = kv_model(1, 2, 2, 8);
         let dev = candle_core::Device::Cpu;
         let slots = 8;
         let k = (Tensor::randn(0f32, 3.0, (slots, 16), &dev)? * 1.0001)?;

@@ -324,7 +324,6 @@ impl Scheduler {
             max_tokens,
             arrived: now,
             deadline,
-            expires: now + class.max_queue_age(),
             itl_slo: Duration::from_millis(class.spec.itl_slo_ms),
             reply: Reply { tx, prompt },
         });

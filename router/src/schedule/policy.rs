@@ -20,8 +20,6 @@ pub struct Waiting<T> {
     pub arrived: Instant,
     /// Arrival + the class's TTFT SLO.
     pub deadline: Instant,
-    /// Arrival + the class's longest queue age: refused after it.
-    pub expires: Instant,
     /// The class's ITL SLO: a decode worker whose step time nears it takes no more streams.
     pub itl_slo: Duration,
     /// Where the grant goes.

@@ -11,7 +11,6 @@ fn waiting(seq: u64, priority: i32, deadline_ms: u64, tokens: usize) -> Waiting<
         max_tokens: 16,
         arrived: t0,
         deadline: t0 + Duration::from_millis(deadline_ms),
-        expires: t0 + Duration::from_secs(10),
         itl_slo: Duration::from_millis(100),
         reply: (),
     }
