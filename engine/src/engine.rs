@@ -2,7 +2,7 @@
 //! template, with the operations the workers build on (chunked prefill, batched steps,
 //! single-sequence generation, KV export/import). Synchronous; the workers own the threads.
 
-use std::ops::Range;
+use std::ops::{ControlFlow, Range};
 use std::path::Path;
 
 use candle_core::Tensor;
@@ -202,7 +202,10 @@ impl Engine {
         for (i, piece) in pieces.enumerate() {
             let mut batch = [BatchSeq { tokens: piece, kv: &mut *kv, want_logits: i == last }];
             let out = if i == last {
-                self.model.forward_observed(&self.cache, &mut batch, layer_done)?
+                self.model.forward_observed(&self.cache, &mut batch, &mut |l| {
+                    layer_done(l);
+                    ControlFlow::Continue(())
+                })?
             } else {
                 self.model.forward(&self.cache, &mut batch)?
             };

@@ -46,6 +46,10 @@ pub enum EngineError {
     /// A forward batch is malformed (empty sequence, unknown blocks, ...).
     #[error("invalid batch: {0}")]
     InvalidBatch(String),
+    /// The caller stopped a forward between layers (`Model::forward_observed`): no sequence
+    /// advanced, and the step can be run again as it was.
+    #[error("the step was stopped by its caller after {layers} of its layers")]
+    Preempted { layers: usize },
     /// Sampling parameters out of range.
     #[error("invalid sampling parameters: {0}")]
     InvalidSampling(String),

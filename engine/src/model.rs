@@ -6,6 +6,8 @@
 //! projection runs once over all rows (weights are read once per step); only attention is per
 //! sequence. Logits are computed only for the last row of sequences that ask for them.
 
+use std::ops::ControlFlow;
+
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
@@ -195,16 +197,20 @@ impl Model {
     /// `want_logits`, in batch order. Each sequence's KV grows by its tokens; on error no
     /// sequence's length changes (blocks it grew into stay owned by it and are freed with it).
     pub fn forward(&self, cache: &KvCache, batch: &mut [BatchSeq<'_>]) -> Result<Tensor> {
-        self.forward_observed(cache, batch, &mut |_| {})
+        self.forward_observed(cache, batch, &mut |_| ControlFlow::Continue(()))
     }
 
     /// `forward`, calling `layer_done(l)` as soon as layer `l`'s K/V of every new token are in
     /// the cache (so a prefill worker can start shipping layer `l` while later layers compute).
+    /// `layer_done` returning `Break` stops the step there (a prefill worker preempting a
+    /// document's step for a short prompt): `EngineError::Preempted`, and as with any error no
+    /// sequence's length changes, so the same step can run again later; the K/V already
+    /// written for its tokens are overwritten then.
     pub fn forward_observed(
         &self,
         cache: &KvCache,
         batch: &mut [BatchSeq<'_>],
-        layer_done: &mut dyn FnMut(usize),
+        layer_done: &mut dyn FnMut(usize) -> ControlFlow<()>,
     ) -> Result<Tensor> {
         let c = &self.config;
         if batch.is_empty() {
@@ -271,7 +277,9 @@ impl Model {
             })?;
             let v = qkv.narrow(1, q_width + kv_width, kv_width)?;
             timed(Op::KvWrite, || cache.write(layer_idx, &slot_index, &k, &v))?;
-            layer_done(layer_idx);
+            if layer_done(layer_idx).is_break() {
+                return Err(EngineError::Preempted { layers: layer_idx + 1 });
+            }
             let attn = timed(Op::Attention, || paged_attention(&q, cache, layer_idx, &plans, heads))?;
             let out = timed(Op::Projections, || layer.out.forward(&attn))?;
             x = timed(Op::Residual, || x + out)?;

@@ -106,6 +106,41 @@ fn chunked_case(model: &Model) {
 }
 
 #[test]
+fn a_step_stopped_between_layers_advances_nothing_and_runs_again_to_the_same_logits() {
+    let model = tiny_model(7);
+    let layers = model.config().num_layers;
+    assert!(layers >= 2, "the tiny model needs two layers to stop between them");
+    let cache = cache_for(&model, 64, 4);
+    let blocks = cache.block_manager();
+    let (prompt, rest) = (tokens(9, 5), tokens(11, 6));
+    let mut reference = SequenceKv::new(blocks.empty_allocation());
+    let expected = run_alone(&model, &cache, &mut reference, &[&prompt, &rest]);
+
+    let mut kv = SequenceKv::new(blocks.empty_allocation());
+    run_alone(&model, &cache, &mut kv, &[&prompt]);
+    let mut seen = Vec::new();
+    let stopped =
+        model.forward_observed(&cache, &mut [BatchSeq { tokens: &rest, kv: &mut kv, want_logits: true }], &mut |l| {
+            seen.push(l);
+            if l == 0 {
+                std::ops::ControlFlow::Break(())
+            } else {
+                std::ops::ControlFlow::Continue(())
+            }
+        });
+    assert!(matches!(stopped, Err(EngineError::Preempted { layers: 1 })), "{stopped:?}");
+    assert_eq!(seen, vec![0], "no layer after the stop ran");
+    assert_eq!(kv.len(), prompt.len(), "the stopped chunk did not advance the sequence");
+    // The same chunk again: its half-written K/V are overwritten, the logits are the reference's.
+    let again = run_alone(&model, &cache, &mut kv, &[&rest]);
+    let diff = max_diff(&again, &expected);
+    assert!(diff < 1e-5, "after a stop the chunk's logits differ by {diff}");
+    assert_eq!(kv.len(), prompt.len() + rest.len());
+    drop((kv, reference));
+    assert_eq!(blocks.free_blocks(), blocks.total_blocks(), "every block is back");
+}
+
+#[test]
 fn export_import_into_other_blocks_gives_identical_next_logits() {
     let model = tiny_model(3);
     let source_cache = cache_for(&model, 32, 4);

@@ -27,7 +27,7 @@ use crate::error::PrefillError;
 use crate::gauges::{Counted, Gauges};
 use crate::pipeline::{prefill_and_send, PrefillJob, PrefillSent};
 use crate::step::StepConfig;
-use crate::steps::{StepEvent, Steps};
+use crate::steps::{Preemptions, StepEvent, Steps};
 
 /// How the service runs prefills.
 #[derive(Debug, Clone)]
@@ -52,6 +52,8 @@ pub struct PrefillService {
     config: ServiceConfig,
     metrics: PrefillMetrics,
     stopping: Arc<AtomicBool>,
+    /// The step loop's preemption totals at the last scrape (the counters add the rest).
+    preemptions_seen: Arc<Mutex<Preemptions>>,
 }
 
 /// A request that passed `check`.
@@ -78,6 +80,7 @@ impl PrefillService {
             config,
             metrics,
             stopping: Arc::new(AtomicBool::new(false)),
+            preemptions_seen: Arc::default(),
         })
     }
 
@@ -95,6 +98,13 @@ impl PrefillService {
     pub fn refresh_gauges(&self) {
         self.metrics.waiting_tokens.set(self.gauges.waiting_tokens.load(Ordering::Relaxed) as f64);
         self.metrics.oldest_age.set(self.gauges.oldest_queued_age().as_secs_f64());
+        // The counters follow the step loop's own totals.
+        let now = self.steps.preemptions();
+        if let Ok(mut seen) = self.preemptions_seen.lock() {
+            self.metrics.preemptions.inc_by(now.steps.saturating_sub(seen.steps));
+            self.metrics.preempted_compute.inc_by(now.discarded.saturating_sub(seen.discarded).as_secs_f64());
+            *seen = now;
+        }
     }
 
     /// A connected sender to `endpoint`, reused across requests.

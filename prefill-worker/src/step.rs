@@ -2,9 +2,9 @@
 //! prompts in one forward, at most `max_long` of them long, within a token budget that keeps
 //! the step near `target` by a cost model of tokens x context (short prompts always get up
 //! to `short_chunk` tokens, so one arriving during a document is prefilled in about one
-//! step; the budget bounds the document's share). Prompts are ranked shortest
-//! remaining first, except that one waiting longer than `max_wait` since its last chunk goes
-//! first, so a short prompt that arrives during a document is prefilled in the next step
+//! step; the budget bounds the document's share). Prompts are ranked short before long, each
+//! shortest remaining first, except that one waiting longer than `max_wait` since its last
+//! chunk goes first, so a short prompt that arrives during a document is prefilled in the next step
 //! beside the document's chunk, and the document still advances every step. While short
 //! prompts are about (one arrived in the last `short_window`) the step target drops to
 //! `short_target`: a short prompt then waits for a shorter document step, and its own step
@@ -44,6 +44,8 @@ pub struct StepConfig {
     pub short_target: Duration,
     /// How long after a short prompt's arrival `short_target` holds (zero: never).
     pub short_window: Duration,
+    /// Stop a step of long prompts between layers when a short prompt arrives (`steps`).
+    pub preempt: bool,
 }
 
 impl StepConfig {
@@ -60,6 +62,7 @@ impl StepConfig {
             max_wait: Duration::from_secs(3600),
             short_target: Duration::from_secs(3600),
             short_window: Duration::ZERO,
+            preempt: false,
         }
     }
 
@@ -153,8 +156,11 @@ pub fn plan(cands: &[Candidate], cfg: &StepConfig, cost: &CostModel) -> Vec<(usi
     order.sort_by_key(|&i| {
         let c = &cands[i];
         let starved = c.waited >= cfg.max_wait;
-        // Starved first (longest waiting first), then shortest remaining.
-        (!starved, if starved { Duration::MAX - c.waited } else { Duration::ZERO }, c.remaining)
+        // Starved first (longest waiting first), then short prompts before long ones (a
+        // document's last few tokens must not put its step ahead of a short prompt), each
+        // shortest remaining first.
+        let long = c.len > cfg.long_threshold;
+        (!starved, if starved { Duration::MAX - c.waited } else { Duration::ZERO }, long, c.remaining)
     });
     let mut out: Vec<(usize, usize)> = Vec::new();
     let mut chunks: Vec<(usize, usize)> = Vec::new();

@@ -10,7 +10,15 @@
 //! before the next step and its blocks are freed. The measured step times correct the cost
 //! model, which gives the worker's tokens/s for short prompts (what the router's wait
 //! estimates are about: a step of a full short chunk at no context).
+//!
+//! Preemption (`StepConfig::preempt`): a step of long prompts' chunks only, none of them
+//! finishing, stops between layers when a short prompt has been submitted since the step
+//! began (while at least a quarter of its layers are left), so the short prompt waits about
+//! one layer instead of the rest of the step. Nothing advanced; the long chunks run again in
+//! a later step (their half-written K/V are overwritten). A step whose prompt finishes is
+//! never stopped: its layers are already being shipped.
 
+use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
@@ -75,12 +83,33 @@ pub struct Steps {
     config: StepConfig,
     /// Short-prompt tokens/s, as f64 bits (0 until a step was measured).
     rate: Arc<AtomicU64>,
+    counters: Arc<Counters>,
+}
+
+/// What the loop counts for the worker's metrics; the submitted-short count is how a step
+/// learns that a short prompt is waiting to be accepted.
+#[derive(Debug, Default)]
+struct Counters {
+    /// Short prompts submitted (counted after they are on the loop's channel).
+    short_submitted: AtomicU64,
+    /// Steps stopped between layers for a short prompt.
+    preempted: AtomicU64,
+    /// Compute those steps had done and threw away, in microseconds.
+    discarded_us: AtomicU64,
+}
+
+/// Preempted steps so far and the compute they threw away.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Preemptions {
+    pub steps: u64,
+    pub discarded: Duration,
 }
 
 impl Steps {
     pub fn start(engine: Arc<Engine>, config: StepConfig) -> std::io::Result<Self> {
         let (submit, rx) = std_mpsc::channel();
         let rate = Arc::new(AtomicU64::new(0));
+        let counters = Arc::new(Counters::default());
         let state = Loop {
             engine,
             config,
@@ -88,9 +117,19 @@ impl Steps {
             active: Vec::new(),
             rate: rate.clone(),
             last_short: None,
+            counters: counters.clone(),
+            short_accepted: 0,
         };
         std::thread::Builder::new().name("pd-prefill-steps".into()).spawn(move || state.run(rx))?;
-        Ok(Steps { submit, config, rate })
+        Ok(Steps { submit, config, rate, counters })
+    }
+
+    /// Steps stopped between layers for a short prompt so far, and the compute they threw away.
+    pub fn preemptions(&self) -> Preemptions {
+        Preemptions {
+            steps: self.counters.preempted.load(Ordering::Relaxed),
+            discarded: Duration::from_micros(self.counters.discarded_us.load(Ordering::Relaxed)),
+        }
     }
 
     pub fn config(&self) -> StepConfig {
@@ -106,9 +145,15 @@ impl Steps {
     /// Queues `prompt`; its events arrive on the returned receiver (drop it to cancel).
     pub fn submit(&self, prompt: Vec<u32>) -> Result<mpsc::UnboundedReceiver<StepEvent>, EngineError> {
         let (events, rx) = mpsc::unbounded_channel();
+        let short = self.config.is_short(prompt.len());
         self.submit
             .send(Submitted { prompt, events, arrived: Instant::now() })
             .map_err(|_| EngineError::InvalidBatch("the prefill step loop stopped".into()))?;
+        if short {
+            // After the send: a step that sees the count ahead of what the loop accepted
+            // knows the prompt is on the channel.
+            self.counters.short_submitted.fetch_add(1, Ordering::Release);
+        }
         Ok(rx)
     }
 }
@@ -121,6 +166,10 @@ struct Loop {
     rate: Arc<AtomicU64>,
     /// When the last short prompt arrived (`StepConfig::for_step`).
     last_short: Option<Instant>,
+    counters: Arc<Counters>,
+    /// Short prompts taken off the channel (`Counters::short_submitted` runs ahead while one
+    /// waits there).
+    short_accepted: u64,
 }
 
 impl Loop {
@@ -147,6 +196,7 @@ impl Loop {
     fn accept(&mut self, s: Submitted) {
         if self.config.is_short(s.prompt.len()) {
             self.last_short = Some(s.arrived);
+            self.short_accepted += 1;
         }
         let a =
             Active { prompt: s.prompt, done: 0, kv: None, events: s.events, since: s.arrived, compute: Duration::ZERO };
@@ -180,6 +230,19 @@ impl Loop {
         let started = Instant::now();
         let outcome = self.forward(&planned);
         let took = started.elapsed();
+        tracing::debug!(
+            chunks = ?planned.iter().map(|&(i, t)| (t, self.active[i].done, self.active[i].prompt.len())).collect::<Vec<_>>(),
+            predicted_ms = self.cost.predict(&chunks).as_secs_f64() * 1e3,
+            took_ms = took.as_secs_f64() * 1e3,
+            preempted = matches!(outcome, Err(EngineError::Preempted { .. })),
+            "prefill step (tokens, context, prompt length) per chunk"
+        );
+        if let Err(EngineError::Preempted { .. }) = outcome {
+            // Nothing advanced: the chunks run again once the short prompt had its step.
+            self.counters.preempted.fetch_add(1, Ordering::Relaxed);
+            self.counters.discarded_us.fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+            return true;
+        }
         self.cost.observe(&chunks, took);
         self.rate.store(short_prompt_rate(&self.cost).to_bits(), Ordering::Relaxed);
         self.deliver(&planned, outcome, took);
@@ -221,6 +284,12 @@ impl Loop {
             .collect();
         let notify: Vec<mpsc::UnboundedSender<StepEvent>> =
             finishing.iter().map(|&i| self.active[i].events.clone()).collect();
+        // Stoppable: only long prompts' chunks, none finishing (no layer is being shipped).
+        let preemptible = self.config.preempt
+            && finishing.is_empty()
+            && planned.iter().all(|&(i, _)| !self.config.is_short(self.active[i].prompt.len()));
+        let layers = self.engine.model().config().num_layers;
+        let (counters, accepted) = (&self.counters, self.short_accepted);
         let mut kvs: Vec<(usize, usize, SequenceKv)> =
             planned.iter().filter_map(|&(i, t)| self.active[i].kv.take().map(|kv| (i, t, kv))).collect();
         let result = {
@@ -237,8 +306,16 @@ impl Loop {
                 for tx in &notify {
                     let _ = tx.send(StepEvent::Layer(layer, at));
                 }
+                // Stop while at least a quarter of the layers are left: past that, finishing
+                // costs the short prompt less than running the chunks again costs the others.
+                let waiting = counters.short_submitted.load(Ordering::Acquire) > accepted;
+                if preemptible && waiting && 4 * (layers - layer) >= layers {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                }
             };
-            if notify.is_empty() {
+            if notify.is_empty() && !preemptible {
                 self.engine.forward(&mut batch)
             } else {
                 self.engine.model().forward_observed(self.engine.cache(), &mut batch, &mut layer_done)

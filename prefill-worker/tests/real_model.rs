@@ -221,3 +221,62 @@ async fn prompts_prefilled_together_in_steps_give_the_tokens_of_a_whole_prefill(
     assert!(a.1 > 2 && b.1 > 2, "both took several steps: {} and {}", a.1, b.1);
     assert_eq!(engine.blocks().free_blocks(), engine.blocks().total_blocks(), "every block is back");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_prompt_preempts_a_documents_step_and_both_give_the_tokens_of_a_whole_prefill() {
+    let engine = engine_with(false);
+    let mut greedy = SamplingParams::greedy(12);
+    greedy.ignore_eos = true;
+    let story = "the lighthouse keeper climbed the stairs every evening, lit the lamp, wrote the weather in his log, and watched the ships pass until dawn, year after year, until the day the lamp was replaced by an automatic beacon and he moved to the village";
+    let long = engine
+        .chat_prompt(&[ChatMessage::new("user", &format!("Summarize: {story}. {story}. {story}. {story}."))])
+        .expect("long");
+    let short = engine.chat_prompt(&[ChatMessage::new("user", "What is the capital of France?")]).expect("short");
+    assert!(long.len() > 3 * 64 && short.len() < 64, "prompt lengths {} and {}", long.len(), short.len());
+    let expected_long = engine.generate(&long, &greedy, 512, |_| {}).expect("whole").tokens;
+    let expected_short = engine.generate(&short, &greedy, 512, |_| {}).expect("whole").tokens;
+    // The document runs alone in 64-token steps (a step target it always exceeds); the short
+    // prompt is submitted as soon as the document's first step starts.
+    let config = StepConfig {
+        max_prompts: 2,
+        long_threshold: short.len(),
+        target: Duration::from_secs(10),
+        preempt: true,
+        ..StepConfig::single(64)
+    };
+    let steps = Steps::start(engine.clone(), config).expect("steps");
+    // The stop is a race between the short prompt's arrival and the step's layers: a loaded
+    // machine may lose it once; the tokens must match on every attempt.
+    for attempt in 0..3 {
+        let mut events = steps.submit(long.clone()).expect("submit");
+        while !matches!(events.recv().await, Some(StepEvent::Started { .. })) {}
+        let (a, b) = tokio::join!(
+            async {
+                let mut chunks = 0;
+                while let Some(event) = events.recv().await {
+                    match event {
+                        StepEvent::Chunk { .. } => chunks += 1,
+                        StepEvent::Done(f) => {
+                            let first = pd_engine::Sampler::new(&greedy).expect("s").sample(&f.logits).expect("sample");
+                            let out = engine.decode_from(f.kv, first, &greedy, &mut |_| {}).expect("decode").tokens;
+                            return (out, chunks);
+                        }
+                        StepEvent::Failed(e) => panic!("document failed: {e}"),
+                        _ => {}
+                    }
+                }
+                panic!("the step loop ended");
+            },
+            through_steps(&engine, &steps, short.clone(), &greedy)
+        );
+        assert_eq!(a.0, expected_long, "attempt {attempt}: the document, after preempted steps");
+        assert_eq!(b.0, expected_short, "attempt {attempt}: the short prompt");
+        assert_eq!(a.1, long.len().div_ceil(64), "attempt {attempt}: a preempted step is not a chunk");
+        assert_eq!(engine.blocks().free_blocks(), engine.blocks().total_blocks(), "every block is back");
+        if steps.preemptions().steps > 0 {
+            assert!(steps.preemptions().discarded > Duration::ZERO);
+            return;
+        }
+    }
+    panic!("no step was preempted in three attempts: {:?}", steps.preemptions());
+}

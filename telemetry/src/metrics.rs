@@ -9,7 +9,8 @@
 use std::sync::Mutex;
 
 use prometheus::{
-    Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry, TextEncoder,
+    Counter, Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+    TextEncoder,
 };
 
 /// Histogram buckets in seconds: milliseconds to minutes.
@@ -40,6 +41,8 @@ pub mod names {
     pub const PREFIX_QUERIES: &str = "pd_prefix_cache_queries_total";
     pub const PREFIX_HITS: &str = "pd_prefix_cache_hits_total";
     pub const CACHED_BLOCKS: &str = "pd_kv_cached_blocks";
+    pub const PREEMPTIONS: &str = "pd_preemptions_total";
+    pub const PREEMPTED_COMPUTE: &str = "pd_preempted_compute_seconds_total";
 }
 
 /// Upper bounds of the input-length buckets, in prompt tokens.
@@ -155,6 +158,12 @@ impl Metrics {
         c
     }
 
+    pub fn float_counter(&self, name: &str, help: &str) -> Counter {
+        let c = Counter::new(name, help).expect("valid counter");
+        self.registry.register(Box::new(c.clone())).expect("unique metric name");
+        c
+    }
+
     pub fn gauge(&self, name: &str, help: &str) -> Gauge {
         let g = Gauge::new(name, help).expect("valid gauge");
         self.registry.register(Box::new(g.clone())).expect("unique metric name");
@@ -247,6 +256,10 @@ pub struct PrefillMetrics {
     pub oldest_age: Gauge,
     pub rejected: IntCounterVec,
     pub prefix: PrefixMetrics,
+    /// Prefill steps stopped between layers for a short prompt, and the compute they threw
+    /// away (their chunks ran again).
+    pub preemptions: IntCounter,
+    pub preempted_compute: Counter,
 }
 
 impl PrefillMetrics {
@@ -264,6 +277,12 @@ impl PrefillMetrics {
                 .gauge(names::QUEUE_OLDEST_AGE, "Age of the oldest prefill still waiting to start (0 when none)."),
             rejected: m.counter_vec(names::REJECTED, "Prefill requests refused, by reason.", &["reason"]),
             prefix: PrefixMetrics::register(m),
+            preemptions: m.counter(
+                names::PREEMPTIONS,
+                "Prefill steps of long prompts stopped between layers for a short prompt (their chunks ran again).",
+            ),
+            preempted_compute: m
+                .float_counter(names::PREEMPTED_COMPUTE, "Compute of preempted prefill steps, thrown away and redone."),
         }
     }
 }

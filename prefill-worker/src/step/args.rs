@@ -47,6 +47,10 @@ pub struct StepArgs {
     /// 0: never).
     #[arg(long, default_value_t = 3_000)]
     pub short_window_ms: u64,
+    /// Stop a prefill step of long prompts between layers when a short prompt arrives, so it
+    /// waits about one layer instead of the rest of the step (the long chunks run again).
+    #[arg(long, env = "PD_PREFILL_PREEMPT", default_value_t = true, action = clap::ArgAction::Set)]
+    pub preempt: bool,
 }
 
 /// For `StepArgs::default`: the flags alone, parsed from nothing.
@@ -90,6 +94,7 @@ impl StepArgs {
             max_wait: Duration::from_millis(self.max_wait_ms),
             short_target: Duration::from_millis(self.short_step_target_ms),
             short_window: Duration::from_millis(self.short_window_ms),
+            preempt: self.preempt,
         })
     }
 }

@@ -12,6 +12,7 @@ fn cfg() -> StepConfig {
         max_wait: Duration::from_secs(2),
         short_target: Duration::from_millis(50),
         short_window: Duration::from_secs(3),
+        preempt: false,
     }
 }
 
@@ -28,6 +29,19 @@ fn a_short_prompt_runs_first_beside_the_documents_chunk_within_the_budget() {
     assert!(step.len() == 2 && step[1].0 == 0 && step[1].1 > 0, "the document still advances: {step:?}");
     let chunks: Vec<_> = step.iter().map(|&(i, t)| (t, cands[i].done)).collect();
     assert!(cost.predict(&chunks) <= cfg().target + Duration::from_millis(10), "{:?}", cost.predict(&chunks));
+}
+
+#[test]
+fn a_documents_last_tokens_do_not_put_it_ahead_of_a_short_prompt() {
+    let cost = CostModel::default();
+    // 16 tokens left of a 2,048-token document, and a 94-token question: the question first.
+    let cands = [cand(16, 2032, 10), cand(94, 0, 0)];
+    let config = StepConfig { short_chunk: 128, ..cfg() };
+    let step = plan(&cands, &config.for_step(Some(Duration::ZERO)), &cost);
+    assert_eq!(step, vec![(1, 94)], "the question alone: the document's finishing chunk waits");
+    // Without short prompts about, shortest remaining first among long prompts.
+    let step = plan(&[cand(1000, 0, 0), cand(16, 2032, 0)], &cfg(), &cost);
+    assert_eq!(step[0], (1, 16));
 }
 
 #[test]
