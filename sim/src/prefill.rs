@@ -1,13 +1,15 @@
 //! A simulated prefill worker: the real `pd.v1.PrefillWorker` service with no model. Prompts
 //! are planned into steps as the real prefill worker plans them: the same planner
-//! (`pd_prefill::step::plan`: request-parallel chunks, shortest remaining first, at most one
+//! (`pd_prefill::step::plan`: request-parallel chunks, short prompts first, at most one
 //! long prompt per step) with the same planning model, which starts at the real worker's
 //! default and learns its scale from every step's time exactly as the real one does. Each
 //! step lasts what the worker's cost model (the measured truth) predicts. A finished prompt's KV goes to the decode
 //! worker's KvTransfer endpoint as the real protocol's control messages (header, then commit
 //! after the cost model's hand-off time, no frames), and the response carries the same
 //! timings as the real worker's. `Load` reports waiting tokens, running and queued prefills
-//! and the short-prompt rate the real worker reports.
+//! and the short-prompt rate the real worker reports. A step of long prompts only, none
+//! finishing, stops when a short prompt arrives in its first three quarters (the real
+//! worker's preemption between layers): its time is lost and its chunks run again.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -59,6 +61,8 @@ pub struct SimPrefill {
     rate: Arc<AtomicU64>,
     state: Arc<Mutex<State>>,
     wake: Arc<Notify>,
+    /// Woken (only if waiting) when a short prompt arrives: a preemptible step stops.
+    short_arrived: Arc<Notify>,
     channels: Arc<Mutex<HashMap<String, KvClient>>>,
     lost: Arc<AtomicBool>,
 }
@@ -72,6 +76,7 @@ impl SimPrefill {
             rate: Arc::new(AtomicU64::new(short_prompt_rate(&CostModel::default()).to_bits())),
             state: Arc::default(),
             wake: Arc::new(Notify::new()),
+            short_arrived: Arc::new(Notify::new()),
             channels: Arc::default(),
             lost: Arc::new(AtomicBool::new(false)),
         };
@@ -100,7 +105,7 @@ impl SimPrefill {
     async fn step_loop(self) {
         let mut planner = CostModel::default();
         loop {
-            let (chosen, chunks) = {
+            let (chosen, chunks, preemptible) = {
                 let s = self.lock();
                 let now = Instant::now();
                 let cands: Vec<Candidate> = s
@@ -117,7 +122,9 @@ impl SimPrefill {
                 let picked = plan(&cands, &step, &planner);
                 let chunks: Vec<(usize, usize)> = picked.iter().map(|&(i, t)| (t, cands[i].done)).collect();
                 let chosen: Vec<(u64, usize)> = picked.iter().map(|&(i, t)| (s.jobs[i].id, t)).collect();
-                (chosen, chunks)
+                let preemptible = self.step.preempt
+                    && picked.iter().all(|&(i, t)| !self.step.is_short(cands[i].len) && t < cands[i].remaining);
+                (chosen, chunks, preemptible)
             };
             if chosen.is_empty() {
                 self.wake.notified().await;
@@ -125,7 +132,18 @@ impl SimPrefill {
             }
             let started = Instant::now();
             let took = Duration::from_secs_f64(self.cost.prefill_step_ms(&chunks) / 1e3);
-            tokio::time::sleep(took).await;
+            if preemptible {
+                let stopped = tokio::select! {
+                    _ = tokio::time::sleep(took.mul_f64(0.75)) => false,
+                    _ = self.short_arrived.notified() => true,
+                };
+                if stopped {
+                    continue; // nothing advanced; the planner learns nothing from a cut step
+                }
+                tokio::time::sleep(took.saturating_sub(started.elapsed())).await;
+            } else {
+                tokio::time::sleep(took).await;
+            }
             planner.observe(&chunks, took);
             self.rate.store(short_prompt_rate(&planner).to_bits(), Ordering::Relaxed);
             self.apply_step(&chosen, started);
@@ -231,6 +249,9 @@ impl pb::prefill_worker_server::PrefillWorker for SimPrefill {
             s.jobs.push(Job { id, len, done: 0, arrived: now, last_turn: now, started: None, finished });
         }
         self.wake.notify_one();
+        if self.step.is_short(req.prompt_tokens.len()) {
+            self.short_arrived.notify_waiters();
+        }
         let t = timings.await.map_err(|_| Status::unavailable("simulated prefill worker lost"))?;
         let first_token = crate::FIRST_TOKEN;
         let (kv_commit_ms, kv_bytes) = self.ship(&target, req.prompt_tokens.len(), first_token).await?;

@@ -144,3 +144,43 @@ async fn a_lost_worker_ends_its_streams_unfinished_and_refuses_everything() {
     assert_eq!(e.code(), tonic::Code::Unavailable);
     assert!(!fleet.lose(Role::Prefill, 3), "no such worker");
 }
+
+/// Reserve, prefill: the prefill worker's answer (its queue and compute times).
+async fn prefill_answer(mut decode: Decode, mut prefill: Prefill, req: pb::DecodeRequest) -> pb::PrefillResponse {
+    let mut stream = decode.generate(req.clone()).await.expect("generate").into_inner();
+    let Some(pb::decode_event::Event::Target(target)) = stream.message().await.expect("event").and_then(|e| e.event)
+    else {
+        panic!("the first event is not a KV target")
+    };
+    let p = pb::PrefillRequest {
+        request_id: req.request_id,
+        prompt_tokens: req.prompt_tokens,
+        target: Some(target),
+        sampling: req.sampling,
+    };
+    prefill.prefill(p).await.expect("prefill").into_inner()
+}
+
+#[tokio::test]
+async fn a_short_prompt_stops_a_documents_simulated_step_only_with_preemption_on() {
+    // 1 ms per prompt token: the document's 512-token steps last about half a second.
+    let slow = Arc::new(WorkerCost {
+        prefill: PrefillCost { fixed_ms: 2.0, per_token_ms: 1.0, per_pair_us: 0.0, per_prompt_ms: 0.0 },
+        ..(*cost(256)).clone()
+    });
+    let mut waits = Vec::new();
+    for preempt in [true, false] {
+        let step = StepConfig { long_threshold: 64, max_prompts: 2, preempt, ..StepConfig::single(512) };
+        let fleet = Fleet::start(slow.clone(), step, "127.0.0.1", 1, 1).await.expect("fleet");
+        let decode = Decode::connect(format!("http://{}", fleet.decode_addrs[0])).await.expect("decode");
+        let prefill = Prefill::connect(format!("http://{}", fleet.prefill_addrs[0])).await.expect("prefill");
+        let document = tokio::spawn(prefill_answer(decode.clone(), prefill.clone(), request("doc", 1024, 1, 0)));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let question = prefill_answer(decode.clone(), prefill.clone(), request("q", 20, 1, 0)).await;
+        let document = document.await.expect("document");
+        assert!(document.prefill_ms >= 1000.0, "the document's two steps: {document:?}");
+        waits.push(question.queue_ms);
+    }
+    assert!(waits[0] < 150.0, "preempted: the question waited {} ms", waits[0]);
+    assert!(waits[1] > 250.0, "not preempted: the question waited for the step, {} ms", waits[1]);
+}
