@@ -3,7 +3,8 @@
 # core with one compute thread, and the router, all on 127.0.0.1, in the foreground. The
 # binaries' defaults are the measured configuration (bench/results/slo/): the built-in
 # traffic classes (deploy/classes/default.toml: interactive, batch), admission control with
-# 429 + Retry-After, request-parallel prefill in ~150 ms steps, prompts prefilled on the
+# 429 + Retry-After, request-parallel prefill in ~150 ms steps (25 ms while short prompts are
+# about; a document's step stops between layers for a short prompt), prompts prefilled on the
 # prefill worker.
 # Builds and fetches what is missing, prints a line when ready, stops every child on
 # Ctrl-C / SIGTERM.
