@@ -1,7 +1,8 @@
 //! Request-parallel prefill on the real processes: a short prompt that arrives while a long
-//! document is being prefilled runs in the next step beside the document's chunk, so it is
-//! answered about as fast as on a quiet cluster (within a few steps), long before the
-//! document; prompts that do not fit the prefill worker's blocks wait instead of failing.
+//! document is being prefilled stops the document's step (preemption, counted in
+//! `pd_preemptions_total`) or runs in the next one, so it is answered about as fast as on a
+//! quiet cluster (within a few steps), long before the document; prompts that do not fit the
+//! prefill worker's blocks wait instead of failing.
 
 use std::time::{Duration, Instant};
 
@@ -56,6 +57,17 @@ async fn a_short_prompt_during_a_document_prefill_is_answered_within_a_few_steps
     // chunk, and noise on a shared machine: a few steps, not the document's seconds.
     let allowed = quiet + Duration::from_millis(6 * STEP_MS);
     assert!(during <= allowed, "short request during the document {during:?}, quiet {quiet:?}");
+    // A short prompt arriving in the first three quarters of one of the document's steps
+    // stops it between layers; one arriving later waits for the step. A few more questions
+    // while the document lasts, until one was caught mid-step.
+    for _ in 0..5 {
+        if metric(&metrics, "pd_preemptions_total").await >= 1.0 || long.is_finished() {
+            break;
+        }
+        short_request(&url).await;
+    }
+    assert!(metric(&metrics, "pd_preemptions_total").await >= 1.0, "no document step was preempted");
+    assert!(metric(&metrics, "pd_preempted_compute_seconds_total").await > 0.0);
     let (status, long_done) = long.await.expect("task");
     assert_eq!(status, 200, "the document completes too");
     assert!(short_done < long_done);
