@@ -178,7 +178,15 @@ async fn through_steps(
     prompt: Vec<u32>,
     greedy: &SamplingParams,
 ) -> (Vec<u32>, usize) {
-    let mut events = steps.submit(prompt).expect("submit");
+    follow(engine, steps.submit(prompt).expect("submit"), greedy).await
+}
+
+/// The rest of one prompt's events: its greedy continuation and the steps (chunks) it took.
+async fn follow(
+    engine: &Arc<Engine>,
+    mut events: tokio::sync::mpsc::UnboundedReceiver<StepEvent>,
+    greedy: &SamplingParams,
+) -> (Vec<u32>, usize) {
     let mut chunks = 0;
     while let Some(event) = events.recv().await {
         match event {
@@ -249,26 +257,15 @@ async fn a_short_prompt_preempts_a_documents_step_and_both_give_the_tokens_of_a_
     // machine may lose it once; the tokens must match on every attempt.
     for attempt in 0..3 {
         let mut events = steps.submit(long.clone()).expect("submit");
-        while !matches!(events.recv().await, Some(StepEvent::Started { .. })) {}
-        let (a, b) = tokio::join!(
-            async {
-                let mut chunks = 0;
-                while let Some(event) = events.recv().await {
-                    match event {
-                        StepEvent::Chunk { .. } => chunks += 1,
-                        StepEvent::Done(f) => {
-                            let first = pd_engine::Sampler::new(&greedy).expect("s").sample(&f.logits).expect("sample");
-                            let out = engine.decode_from(f.kv, first, &greedy, &mut |_| {}).expect("decode").tokens;
-                            return (out, chunks);
-                        }
-                        StepEvent::Failed(e) => panic!("document failed: {e}"),
-                        _ => {}
-                    }
-                }
-                panic!("the step loop ended");
-            },
-            through_steps(&engine, &steps, short.clone(), &greedy)
-        );
+        loop {
+            match events.recv().await.expect("the document's events") {
+                StepEvent::Started { .. } => break,
+                StepEvent::Failed(e) => panic!("document failed: {e}"),
+                _ => {}
+            }
+        }
+        let (a, b) =
+            tokio::join!(follow(&engine, events, &greedy), through_steps(&engine, &steps, short.clone(), &greedy));
         assert_eq!(a.0, expected_long, "attempt {attempt}: the document, after preempted steps");
         assert_eq!(b.0, expected_short, "attempt {attempt}: the short prompt");
         assert_eq!(a.1, long.len().div_ceil(64), "attempt {attempt}: a preempted step is not a chunk");

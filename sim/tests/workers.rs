@@ -46,12 +46,12 @@ async fn free_blocks(decode: &mut Decode) -> u32 {
     decode.load(pb::LoadRequest::default()).await.expect("load").into_inner().free_blocks
 }
 
-/// Reserve, prefill, read the stream: (tokens, finished).
-async fn generate(
+/// Reserve, prefill: the decode stream (after its KV target) and the prefill worker's answer.
+async fn reserve_and_prefill(
     decode: &mut Decode,
     prefill: &mut Prefill,
     req: pb::DecodeRequest,
-) -> (Vec<u32>, Option<pb::Finished>) {
+) -> (tonic::Streaming<pb::DecodeEvent>, pb::PrefillResponse) {
     let mut stream = decode.generate(req.clone()).await.expect("generate").into_inner();
     let Some(pb::decode_event::Event::Target(target)) = stream.message().await.expect("event").and_then(|e| e.event)
     else {
@@ -63,7 +63,16 @@ async fn generate(
         target: Some(target),
         sampling: req.sampling,
     };
-    let answer = prefill.prefill(p).await.expect("prefill").into_inner();
+    (stream, prefill.prefill(p).await.expect("prefill").into_inner())
+}
+
+/// Reserve, prefill, read the stream: (tokens, finished).
+async fn generate(
+    decode: &mut Decode,
+    prefill: &mut Prefill,
+    req: pb::DecodeRequest,
+) -> (Vec<u32>, Option<pb::Finished>) {
+    let (mut stream, answer) = reserve_and_prefill(decode, prefill, req).await;
     assert_eq!(answer.first_token, pd_sim::FIRST_TOKEN);
     let (mut tokens, mut finished) = (Vec::new(), None);
     while let Some(e) = stream.message().await.expect("event") {
@@ -147,18 +156,7 @@ async fn a_lost_worker_ends_its_streams_unfinished_and_refuses_everything() {
 
 /// Reserve, prefill: the prefill worker's answer (its queue and compute times).
 async fn prefill_answer(mut decode: Decode, mut prefill: Prefill, req: pb::DecodeRequest) -> pb::PrefillResponse {
-    let mut stream = decode.generate(req.clone()).await.expect("generate").into_inner();
-    let Some(pb::decode_event::Event::Target(target)) = stream.message().await.expect("event").and_then(|e| e.event)
-    else {
-        panic!("the first event is not a KV target")
-    };
-    let p = pb::PrefillRequest {
-        request_id: req.request_id,
-        prompt_tokens: req.prompt_tokens,
-        target: Some(target),
-        sampling: req.sampling,
-    };
-    prefill.prefill(p).await.expect("prefill").into_inner()
+    reserve_and_prefill(&mut decode, &mut prefill, req).await.1
 }
 
 #[tokio::test]
