@@ -13,6 +13,7 @@
 use std::time::Instant;
 
 use pd_engine::{BatchSeq, EngineError, OutputTracker, Sampler, SamplingParams, SequenceKv, Tokenizer};
+use pd_kv_transfer::convert::logprobs_to_pb;
 use pd_proto::v1 as pb;
 use pd_telemetry::metrics::DecodeMetrics;
 use pd_telemetry::opentelemetry::KeyValue;
@@ -63,8 +64,9 @@ impl std::str::FromStr for PrefillPolicy {
 /// Where a sequence's prompt stands when it joins.
 #[derive(Debug)]
 pub enum Start {
-    /// The KV holds the prompt (a prefill worker sent it) and this is the first token.
-    Prefilled { first_token: u32 },
+    /// The KV holds the prompt (a prefill worker sent it) and this is the first token (with
+    /// its log probabilities, when asked for, as the prefill worker computed them).
+    Prefilled { first_token: u32, logprobs: Option<pb::TokenLogprobs> },
     /// The prompt runs here, in the batch, from position `from` (before it: its cached prefix).
     Prompt { from: usize },
 }
@@ -160,7 +162,13 @@ impl Running {
     }
 
     /// Records `token`; false when the sequence is done (finished, failed or abandoned).
-    fn emit(&mut self, token: u32, tokenizer: &Tokenizer, metrics: &DecodeMetrics) -> bool {
+    fn emit(
+        &mut self,
+        token: u32,
+        logprobs: Option<pb::TokenLogprobs>,
+        tokenizer: &Tokenizer,
+        metrics: &DecodeMetrics,
+    ) -> bool {
         let out = match self.tracker.push(token, tokenizer) {
             Ok(out) => out,
             Err(e) => {
@@ -168,7 +176,8 @@ impl Running {
                 return false;
             }
         };
-        let token_event = pb::TokenEvent { token_id: token, text: out.text_delta, server_time_unix_nanos: now_nanos() };
+        let token_event =
+            pb::TokenEvent { token_id: token, text: out.text_delta, server_time_unix_nanos: now_nanos(), logprobs };
         if self.events.send(event(pb::decode_event::Event::Token(token_event))).is_err() {
             self.span.set("pd.outcome", "cancelled");
             return false; // client gone: free the blocks now
@@ -235,7 +244,7 @@ impl BatchState {
     /// Joins `a` to the batch. A prefilled sequence streams its first token at once (it may
     /// also finish with it); a bad sampling setup fails the sequence with INVALID_ARGUMENT.
     pub fn admit(&mut self, a: Admission, tokenizer: &Tokenizer, metrics: &DecodeMetrics) {
-        let mut sampler = match Sampler::new(&a.params) {
+        let mut sampler = match Sampler::for_sequence(&a.params, &a.prompt, tokenizer.eos_ids()) {
             Ok(s) => s,
             Err(e) => {
                 a.span.error(e.to_string());
@@ -244,9 +253,9 @@ impl BatchState {
             }
         };
         let (phase, first) = match a.start {
-            Start::Prefilled { first_token } => {
-                sampler.skip(1); // the prefill worker sampled the first output position
-                (Phase::Decode { next: first_token }, Some(first_token))
+            Start::Prefilled { first_token, logprobs } => {
+                sampler.accept(first_token); // the prefill worker sampled the first output position
+                (Phase::Decode { next: first_token }, Some((first_token, logprobs)))
             }
             Start::Prompt { from } => (Phase::Prompt { done: from.min(a.prompt.len()) }, None),
         };
@@ -264,7 +273,7 @@ impl BatchState {
             span: a.span,
             labels: a.labels,
         };
-        if first.is_none_or(|token| seq.emit(token, tokenizer, metrics)) {
+        if first.is_none_or(|(token, logprobs)| seq.emit(token, logprobs, tokenizer, metrics)) {
             self.running.push(seq);
         }
     }
@@ -347,10 +356,12 @@ impl BatchState {
                 keep.push(seq);
                 continue;
             }
-            let token = logits.get(row).map_err(EngineError::from).and_then(|r| seq.sampler.sample(&r));
+            let sampled = logits.get(row).map_err(EngineError::from).and_then(|r| seq.sampler.draw(&r));
             row += 1;
-            match token {
-                Ok(t) if seq.emit(t, tokenizer, metrics) => keep.push(seq),
+            match sampled {
+                Ok(s) if seq.emit(s.token, s.logprobs.as_ref().map(logprobs_to_pb), tokenizer, metrics) => {
+                    keep.push(seq)
+                }
                 Ok(_) => {}
                 Err(e) => seq.fail(tonic::Status::internal(format!("sampling failed: {e}"))),
             }

@@ -238,7 +238,7 @@ impl DecodeService {
         span.set("pd.request_id", c.request_id);
         let admission = Admission {
             kv,
-            start: Start::Prefilled { first_token: committed.first_token },
+            start: Start::Prefilled { first_token: committed.first_token, logprobs: committed.first_logprobs },
             prompt: c.prompt,
             params: c.params,
             cached_tokens: cached,

@@ -34,7 +34,10 @@ pub use kv::cache::{KvCache, SequenceKv};
 pub use kv::export::{KvHeader, WireDType};
 pub use kv::prefix::{BlockEvent, BlockEventKind, BlockHash, EventsSince};
 pub use model::{BatchSeq, Model};
-pub use sampling::{FinishReason, OutputTracker, Sampler, SamplingParams, TokenOutput};
+pub use sampling::{
+    token_logprobs, FinishReason, OutputTracker, Sampled, Sampler, SamplingParams, TokenLogprobs, TokenOutput,
+    MAX_TOP_LOGPROBS,
+};
 pub use tokenizer::Tokenizer;
 
 /// The vector kernels this process runs (`avx512` or `avx2`; `PD_ENGINE_SIMD=avx2` forces

@@ -1,13 +1,21 @@
 //! Choosing the next token and deciding when a sequence is done.
 //!
-//! Sampling itself is candle-transformers' `LogitsProcessor` (greedy, temperature, top-k,
-//! top-p). Its randomness for the output token at index i comes from a generator seeded by
+//! Before sampling, the logits may be processed (vLLM's order): end tokens masked until
+//! `min_tokens`, `logit_bias` added, then the repetition, frequency and presence penalties,
+//! from the sequence's own history (prompt and output). Sampling itself is
+//! candle-transformers' `LogitsProcessor` (greedy, temperature, top-k, top-p). Log
+//! probabilities, when asked, are those of the model's raw distribution (vLLM's default):
+//! what the model thinks, not what the processing made of it.
+//!
+//! Sampling randomness for the output token at index i comes from a generator seeded by
 //! the request's seed and i alone, not by the tokens drawn before: the same seed gives the
 //! same tokens, and a generation continued in another process (after the first token from a
 //! prefill worker, or after a decode worker was lost and the request migrated) draws exactly
 //! what the original process would have. `OutputTracker` turns tokens into
 //! streamed text and applies stop token ids, stop strings and max tokens; text that might be
 //! the start of a stop string is held back until it is known not to be one.
+
+use std::collections::{HashMap, HashSet};
 
 use candle_core::Tensor;
 use candle_transformers::generation::{LogitsProcessor, Sampling};
@@ -32,7 +40,25 @@ pub struct SamplingParams {
     /// Index of this request's first generated token within the whole output (0; a migrated
     /// request continues after the tokens already sent). Seeds the sampling of each token.
     pub output_offset: usize,
+    /// vLLM's (and Hugging Face's) repetition penalty: above 1, every token already in the
+    /// prompt or the output has a positive logit divided by it and a negative one multiplied;
+    /// 1 is off.
+    pub repetition_penalty: f32,
+    /// OpenAI's: subtracted from a token's logit once for each time it was generated.
+    pub frequency_penalty: f32,
+    /// OpenAI's: subtracted once from the logit of every token generated at least once.
+    pub presence_penalty: f32,
+    /// Added to the logits of these token ids (OpenAI's `logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// End-of-sequence and stop token ids cannot be sampled before this many output tokens.
+    pub min_tokens: usize,
+    /// Log probabilities of each sampled token: None, or Some(k) for the sampled token's and
+    /// those of the k most likely tokens (k at most `MAX_TOP_LOGPROBS`).
+    pub logprobs: Option<usize>,
 }
+
+/// Most alternatives per token `logprobs` may ask for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 impl SamplingParams {
     pub fn greedy(max_tokens: usize) -> Self {
@@ -46,7 +72,22 @@ impl SamplingParams {
             stop_token_ids: Vec::new(),
             stop_strings: Vec::new(),
             ignore_eos: false,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
+            logprobs: None,
         }
+    }
+
+    /// True when the logits are changed before sampling.
+    fn processes_logits(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
+            || !self.logit_bias.is_empty()
+            || self.min_tokens > 0
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -68,6 +109,26 @@ impl SamplingParams {
         if self.stop_strings.iter().any(String::is_empty) {
             return bad("stop strings must not be empty".into());
         }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0 && self.repetition_penalty <= 2.0) {
+            return bad(format!("repetition_penalty {} must be in (0, 2]", self.repetition_penalty));
+        }
+        for (name, value) in
+            [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)]
+        {
+            if !(-2.0..=2.0).contains(&value) {
+                return bad(format!("{name} {value} must be between -2 and 2"));
+            }
+        }
+        if let Some((id, b)) = self.logit_bias.iter().find(|(_, b)| !(-100.0..=100.0).contains(b)) {
+            return bad(format!("logit_bias of token {id} is {b}; it must be between -100 and 100"));
+        }
+        // Both count the whole output (a migrated request's tokens already sent included).
+        if self.min_tokens > self.output_offset + self.max_tokens {
+            return bad(format!("min_tokens {} exceeds max_tokens {}", self.min_tokens, self.max_tokens));
+        }
+        if self.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+            return bad(format!("top_logprobs must be at most {MAX_TOP_LOGPROBS}"));
+        }
         Ok(())
     }
 
@@ -85,12 +146,16 @@ impl SamplingParams {
     }
 }
 
-/// Per-sequence sampler state: the sampling rule, the seed and the output index of the next
-/// token.
+/// Per-sequence sampler state: the sampling rule, the seed, the output index of the next
+/// token, and what the logit processing needs of the sequence's history.
 pub struct Sampler {
     sampling: Sampling,
     seed: u64,
     next_index: u64,
+    /// None when the logits are sampled as the model gave them.
+    processing: Option<Processing>,
+    /// Alternatives per token to report (None: no log probabilities).
+    logprobs: Option<usize>,
 }
 
 impl std::fmt::Debug for Sampler {
@@ -99,22 +164,173 @@ impl std::fmt::Debug for Sampler {
     }
 }
 
+/// Penalties, biases and the `min_tokens` mask, with the history they read.
+struct Processing {
+    repetition: f32,
+    frequency: f32,
+    presence: f32,
+    bias: Vec<(u32, f32)>,
+    min_tokens: u64,
+    /// Ids masked before `min_tokens`: end-of-sequence and stop token ids.
+    end_ids: Vec<u32>,
+    /// Every token of the prompt and the output (the repetition penalty's set).
+    seen: HashSet<u32>,
+    /// Output tokens (those sent before a migration included) and how often each came.
+    counts: HashMap<u32, u32>,
+}
+
+impl Processing {
+    fn record(&mut self, token: u32) {
+        self.seen.insert(token);
+        *self.counts.entry(token).or_default() += 1;
+    }
+
+    /// Processes `logits` for the output token at `index`.
+    fn apply(&self, logits: &mut [f32], index: u64) {
+        if index < self.min_tokens {
+            for &id in &self.end_ids {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        for &(id, bias) in &self.bias {
+            if let Some(l) = logits.get_mut(id as usize) {
+                *l += bias;
+            }
+        }
+        if self.repetition != 1.0 {
+            for &id in &self.seen {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    *l = if *l > 0.0 { *l / self.repetition } else { *l * self.repetition };
+                }
+            }
+        }
+        if self.frequency != 0.0 || self.presence != 0.0 {
+            for (&id, &count) in &self.counts {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    *l -= self.frequency * count as f32 + self.presence;
+                }
+            }
+        }
+    }
+}
+
+/// One sampled token, with its log probabilities when they were asked for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// Log probabilities of a sampled token and of the most likely tokens at its position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    /// The most likely tokens, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
 impl Sampler {
+    /// A sampler with no history (the logit processing sees an empty prompt and no end ids).
     pub fn new(params: &SamplingParams) -> Result<Self> {
+        Self::for_sequence(params, &[], &[])
+    }
+
+    /// A sampler for a sequence whose context so far is `context` (the prompt; for a migrated
+    /// request its last `output_offset` tokens are output already sent) and whose end tokens
+    /// are `eos_ids` (besides `stop_token_ids`).
+    pub fn for_sequence(params: &SamplingParams, context: &[u32], eos_ids: &[u32]) -> Result<Self> {
         params.validate()?;
-        Ok(Sampler { sampling: params.sampling(), seed: params.seed, next_index: params.output_offset as u64 })
+        let processing = params.processes_logits().then(|| {
+            let outputs = &context[context.len().saturating_sub(params.output_offset)..];
+            let mut counts = HashMap::new();
+            for &t in outputs {
+                *counts.entry(t).or_default() += 1;
+            }
+            let mut end_ids: Vec<u32> = params.stop_token_ids.clone();
+            if !params.ignore_eos {
+                end_ids.extend_from_slice(eos_ids);
+            }
+            Processing {
+                repetition: params.repetition_penalty,
+                frequency: params.frequency_penalty,
+                presence: params.presence_penalty,
+                bias: params.logit_bias.clone(),
+                min_tokens: params.min_tokens as u64,
+                end_ids,
+                seen: if params.repetition_penalty != 1.0 { context.iter().copied().collect() } else { HashSet::new() },
+                counts,
+            }
+        });
+        Ok(Sampler {
+            sampling: params.sampling(),
+            seed: params.seed,
+            next_index: params.output_offset as u64,
+            processing,
+            logprobs: params.logprobs,
+        })
     }
 
     /// Next token from a `[vocab]` logits row, with randomness seeded by (seed, output index).
     pub fn sample(&mut self, logits: &Tensor) -> Result<u32> {
-        let seed = step_seed(self.seed, self.next_index);
-        self.next_index += 1;
-        Ok(LogitsProcessor::from_sampling(seed, self.sampling.clone()).sample(logits)?)
+        Ok(self.draw(logits)?.token)
     }
 
-    /// Skips `n` output positions (tokens sampled elsewhere, e.g. a prefill worker's first).
-    pub fn skip(&mut self, n: usize) {
-        self.next_index += n as u64;
+    /// Next token and, when asked, its log probabilities.
+    pub fn draw(&mut self, logits: &Tensor) -> Result<Sampled> {
+        let index = self.next_index;
+        self.next_index += 1;
+        let mut processor = LogitsProcessor::from_sampling(step_seed(self.seed, index), self.sampling.clone());
+        if self.processing.is_none() && self.logprobs.is_none() {
+            return Ok(Sampled { token: processor.sample(logits)?, logprobs: None });
+        }
+        let raw: Vec<f32> = logits.to_dtype(candle_core::DType::F32)?.to_vec1()?;
+        let token = match &self.processing {
+            None => processor.sample(logits)?,
+            Some(p) => {
+                let mut processed = raw.clone();
+                p.apply(&mut processed, index);
+                processor.sample(&Tensor::from_vec(processed, raw.len(), logits.device())?)?
+            }
+        };
+        if let Some(p) = &mut self.processing {
+            p.record(token);
+        }
+        Ok(Sampled { token, logprobs: self.logprobs.map(|k| token_logprobs(&raw, token, k)) })
+    }
+
+    /// Takes a token sampled elsewhere (a prefill worker's first) as the next output position.
+    pub fn accept(&mut self, token: u32) {
+        self.next_index += 1;
+        if let Some(p) = &mut self.processing {
+            p.record(token);
+        }
+    }
+}
+
+/// Log probabilities of `token` and the `k` most likely tokens under `logits` (log-softmax,
+/// computed in f64 for the normalizer).
+pub fn token_logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let log_norm = max as f64 + sum.ln();
+    let logprob = |l: f32| (l as f64 - log_norm) as f32;
+    // The k largest in one pass: a small sorted list (k <= 20).
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    if k > 0 {
+        for (id, &l) in logits.iter().enumerate() {
+            if top.len() == k && top[k - 1].1 >= l {
+                continue;
+            }
+            let at = top.partition_point(|&(_, t)| t >= l);
+            top.insert(at, (id as u32, l));
+            top.truncate(k);
+        }
+    }
+    TokenLogprobs {
+        logprob: logits.get(token as usize).map_or(f32::NEG_INFINITY, |&l| logprob(l)),
+        top: top.into_iter().map(|(id, l)| (id, logprob(l))).collect(),
     }
 }
 
@@ -292,7 +508,7 @@ mod tests {
         let rest: Vec<u32> = (40..64).map(|_| migrated.sample(&logits)).collect::<Result<_>>()?;
         assert_eq!(rest, draws[40..]);
         let mut after_first = Sampler::new(&params)?;
-        after_first.skip(1);
+        after_first.accept(draws[0]);
         assert_eq!(after_first.sample(&logits)?, draws[1]);
         Ok(())
     }
@@ -315,5 +531,82 @@ mod tests {
         params.top_k = Some(1);
         assert!(draw(&params)?.iter().all(|&t| t == 1), "top_k 1 is greedy");
         Ok(())
+    }
+
+    fn draw_with(params: &SamplingParams, context: &[u32], logits: &[f32]) -> Result<Sampled> {
+        let logits = Tensor::new(logits, &Device::Cpu)?;
+        Sampler::for_sequence(params, context, &[0])?.draw(&logits)
+    }
+
+    #[test]
+    fn penalties_and_biases_change_the_greedy_choice_as_vllm_defines_them() -> Result<()> {
+        let logits = [0.0f32, 3.0, 2.9, 2.0, -1.0];
+        let greedy = SamplingParams::greedy(8);
+        assert_eq!(draw_with(&greedy, &[1, 1], &logits)?.token, 1);
+        // Repetition: 3.0 / 1.1 = 2.73 < 2.9 for token 1, which is in the prompt.
+        let p = SamplingParams { repetition_penalty: 1.1, ..greedy.clone() };
+        assert_eq!(draw_with(&p, &[1], &logits)?.token, 2);
+        // Frequency and presence count output tokens only: the last `output_offset` of the
+        // context (tokens sent before a migration), not the prompt.
+        let p = SamplingParams { frequency_penalty: 0.2, output_offset: 1, ..greedy.clone() };
+        assert_eq!(draw_with(&p, &[1, 1], &logits)?.token, 2, "one output 1: 3.0 - 0.2 < 2.9");
+        let p = SamplingParams { frequency_penalty: 0.2, ..greedy.clone() };
+        assert_eq!(draw_with(&p, &[1, 1], &logits)?.token, 1, "prompt tokens are not output");
+        let p = SamplingParams { presence_penalty: 1.5, output_offset: 2, ..greedy.clone() };
+        assert_eq!(draw_with(&p, &[2, 1], &logits)?.token, 3, "1 and 2 generated: 1.5 and 1.4 < 2.0");
+        let p = SamplingParams { logit_bias: vec![(4, 100.0)], ..greedy.clone() };
+        assert_eq!(draw_with(&p, &[], &logits)?.token, 4);
+        let p = SamplingParams { logit_bias: vec![(1, -100.0)], ..greedy.clone() };
+        assert_eq!(draw_with(&p, &[], &logits)?.token, 2);
+        Ok(())
+    }
+
+    #[test]
+    fn min_tokens_masks_end_tokens_until_reached_and_follows_a_migration() -> Result<()> {
+        let logits = Tensor::new(&[5.0f32, 1.0, 0.5], &Device::Cpu)?;
+        let p = SamplingParams { min_tokens: 2, stop_token_ids: vec![1], ..SamplingParams::greedy(8) };
+        let mut s = Sampler::for_sequence(&p, &[], &[0])?;
+        assert_eq!(s.sample(&logits)?, 2, "eos 0 and stop id 1 masked");
+        assert_eq!(s.sample(&logits)?, 2);
+        assert_eq!(s.sample(&logits)?, 0, "two tokens out: eos allowed");
+        let migrated = SamplingParams { output_offset: 2, ..p.clone() };
+        assert_eq!(Sampler::for_sequence(&migrated, &[9, 2, 2], &[0])?.sample(&logits)?, 0);
+        let ignore = SamplingParams { ignore_eos: true, ..p };
+        assert_eq!(Sampler::for_sequence(&ignore, &[], &[0])?.sample(&logits)?, 0, "ignore_eos: eos is no end id");
+        Ok(())
+    }
+
+    #[test]
+    fn logprobs_are_the_raw_log_softmax_with_the_top_tokens_in_order() -> Result<()> {
+        let logits = [1.0f32, 3.0, 2.0, 0.5];
+        let p = SamplingParams { logprobs: Some(2), logit_bias: vec![(0, 50.0)], ..SamplingParams::greedy(8) };
+        let s = draw_with(&p, &[], &logits)?;
+        assert_eq!(s.token, 0, "the bias decides the sample");
+        let norm = logits.iter().map(|&l| (l as f64).exp()).sum::<f64>().ln();
+        let lp = s.logprobs.expect("asked");
+        assert!((lp.logprob as f64 - (1.0 - norm)).abs() < 1e-6, "raw, not biased: {lp:?}");
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2]);
+        assert!((lp.top[0].1 as f64 - (3.0 - norm)).abs() < 1e-6);
+        let none = draw_with(&SamplingParams::greedy(8), &[], &logits)?;
+        assert_eq!(none, Sampled { token: 1, logprobs: None });
+        let zero = draw_with(&SamplingParams { logprobs: Some(0), ..SamplingParams::greedy(8) }, &[], &logits)?;
+        assert!(zero.logprobs.is_some_and(|l| l.top.is_empty()));
+        Ok(())
+    }
+
+    #[test]
+    fn out_of_range_processing_is_refused_by_name() {
+        let base = SamplingParams::greedy(4);
+        let cases = [
+            (SamplingParams { repetition_penalty: 0.0, ..base.clone() }, "repetition_penalty"),
+            (SamplingParams { frequency_penalty: 2.5, ..base.clone() }, "frequency_penalty"),
+            (SamplingParams { presence_penalty: -3.0, ..base.clone() }, "presence_penalty"),
+            (SamplingParams { logit_bias: vec![(3, 101.0)], ..base.clone() }, "logit_bias"),
+            (SamplingParams { min_tokens: 5, ..base.clone() }, "min_tokens"),
+            (SamplingParams { logprobs: Some(21), ..base }, "top_logprobs"),
+        ];
+        for (p, name) in cases {
+            assert!(p.validate().expect_err(name).to_string().contains(name), "{name}");
+        }
     }
 }

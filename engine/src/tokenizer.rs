@@ -163,4 +163,38 @@ impl Tokenizer {
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
+
+    /// The bytes one token stands for in text (OpenAI's `bytes` of a logprob: a byte-level BPE
+    /// token may hold part of a UTF-8 character). For byte-level vocabularies the token's
+    /// characters are mapped back to bytes; otherwise it is the token decoded alone.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let byte_level = matches!(self.inner.get_decoder(), Some(tokenizers::DecoderWrapper::ByteLevel(_)));
+        if let Some(bytes) = self.id_to_token(id).as_deref().filter(|_| byte_level).and_then(byte_level_bytes) {
+            return bytes;
+        }
+        self.decode(&[id], false).unwrap_or_default().into_bytes()
+    }
+}
+
+/// GPT-2's byte-level alphabet, inverted: the byte each of its 256 characters stands for.
+/// Printable bytes stand for themselves; the others (control bytes, space, 127-160, 173) were
+/// moved to 256 + n in order.
+fn byte_level_bytes(token: &str) -> Option<Vec<u8>> {
+    static INVERSE: std::sync::OnceLock<HashMap<char, u8>> = std::sync::OnceLock::new();
+    let inverse = INVERSE.get_or_init(|| {
+        let mut map = HashMap::new();
+        let mut moved = 0u32;
+        for b in 0..=255u8 {
+            let printable = matches!(b, 33..=126 | 161..=172 | 174..=255);
+            let c = if printable {
+                char::from(b)
+            } else {
+                moved += 1;
+                char::from_u32(255 + moved).unwrap_or(char::REPLACEMENT_CHARACTER)
+            };
+            map.insert(c, b);
+        }
+        map
+    });
+    token.chars().map(|c| inverse.get(&c).copied()).collect()
 }

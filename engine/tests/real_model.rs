@@ -59,6 +59,10 @@ fn tokenizer_matches_llama_cpp_and_round_trips() {
     ] {
         let ids = tok.encode(text).expect("encode");
         assert_eq!(tok.decode(&ids, false).expect("decode"), text, "round trip of {text:?}");
+        // Each token's bytes (logprobs' `bytes`), put together, are the text's, even where one
+        // character spans several tokens.
+        let bytes: Vec<u8> = ids.iter().flat_map(|&id| tok.token_bytes(id)).collect();
+        assert_eq!(bytes, text.as_bytes(), "token bytes of {text:?}");
     }
     assert_eq!(tok.encode("2024").expect("encode").len(), 4, "digits are split one by one");
     assert_eq!(tok.eos_ids(), &[2]);

@@ -26,20 +26,30 @@ impl InvalidField {
     }
 }
 
-/// The engine's sampling parameters of a request. `sampling` is required; on the wire 0 means
-/// "off" for `top_k` and `top_p` and greedy for `temperature`; `max_tokens` must be >= 1.
+/// The engine's sampling parameters of a request. `sampling` and its `seed` are required (the
+/// router draws one when the client gave none); on the wire 0 means "off" for `top_k`, `top_p`
+/// and `repetition_penalty` and greedy for `temperature`; `max_tokens` must be >= 1.
 pub fn sampling_from_pb(sampling: Option<&pb::SamplingParams>) -> Result<SamplingParams, InvalidField> {
     let s = sampling.ok_or_else(|| InvalidField::new("sampling", "is required"))?;
+    let seed = s.seed.ok_or_else(|| InvalidField::new("sampling.seed", "is required between workers"))?;
+    let mut logit_bias: Vec<(u32, f32)> = s.logit_bias.iter().map(|(&id, &b)| (id, b)).collect();
+    logit_bias.sort_by_key(|&(id, _)| id);
     let params = SamplingParams {
         temperature: s.temperature as f64,
         top_k: (s.top_k > 0).then_some(s.top_k as usize),
         top_p: (s.top_p > 0.0).then_some(s.top_p as f64),
-        seed: s.seed,
+        seed,
         max_tokens: s.max_tokens as usize,
         stop_token_ids: s.stop_token_ids.clone(),
         stop_strings: s.stop.clone(),
         ignore_eos: s.ignore_eos,
         output_offset: s.output_offset as usize,
+        repetition_penalty: if s.repetition_penalty == 0.0 { 1.0 } else { s.repetition_penalty },
+        frequency_penalty: s.frequency_penalty,
+        presence_penalty: s.presence_penalty,
+        logit_bias,
+        min_tokens: s.min_tokens as usize,
+        logprobs: s.logprobs.then_some(s.top_logprobs as usize),
     };
     params.validate().map_err(|e| InvalidField::new("sampling", e.to_string()))?;
     Ok(params)
@@ -51,13 +61,26 @@ pub fn sampling_to_pb(params: &SamplingParams) -> pb::SamplingParams {
         temperature: params.temperature as f32,
         top_k: params.top_k.unwrap_or(0) as u32,
         top_p: params.top_p.unwrap_or(0.0) as f32,
-        seed: params.seed,
+        seed: Some(params.seed),
         max_tokens: params.max_tokens as u32,
         stop_token_ids: params.stop_token_ids.clone(),
         stop: params.stop_strings.clone(),
         ignore_eos: params.ignore_eos,
         output_offset: params.output_offset as u32,
+        repetition_penalty: params.repetition_penalty,
+        frequency_penalty: params.frequency_penalty,
+        presence_penalty: params.presence_penalty,
+        logit_bias: params.logit_bias.iter().copied().collect(),
+        min_tokens: params.min_tokens as u32,
+        logprobs: params.logprobs.is_some(),
+        top_logprobs: params.logprobs.unwrap_or(0) as u32,
     }
+}
+
+/// The wire form of a token's log probabilities (token texts are left to the router).
+pub fn logprobs_to_pb(l: &pd_engine::TokenLogprobs) -> pb::TokenLogprobs {
+    let top = l.top.iter().map(|&(token_id, logprob)| pb::TopLogprob { token_id, logprob, token: String::new() });
+    pb::TokenLogprobs { logprob: l.logprob, top: top.collect(), token: String::new() }
 }
 
 pub fn dtype_to_pb(dtype: WireDType) -> pb::KvDtype {
@@ -218,9 +241,20 @@ mod tests {
             stop_strings: vec!["\n".into()],
             ignore_eos: true,
             output_offset: 3,
+            repetition_penalty: 1.25,
+            frequency_penalty: 0.5,
+            presence_penalty: -0.5,
+            logit_bias: vec![(2, -100.0), (7, 1.5)],
+            min_tokens: 2,
+            logprobs: Some(5),
         };
         let back = sampling_from_pb(Some(&sampling_to_pb(&params))).expect("valid");
         assert_eq!(back.top_k, Some(40));
+        assert_eq!(
+            (back.seed, back.logit_bias.clone(), back.logprobs, back.min_tokens),
+            (11, params.logit_bias.clone(), Some(5), 2)
+        );
+        assert_eq!((back.repetition_penalty, back.frequency_penalty, back.presence_penalty), (1.25, 0.5, -0.5));
         assert_eq!(back.stop_strings, params.stop_strings);
         assert!((back.top_p.expect("top_p") - 0.9).abs() < 1e-6);
         let greedy = sampling_from_pb(Some(&sampling_to_pb(&SamplingParams::greedy(4)))).expect("greedy");
@@ -230,9 +264,11 @@ mod tests {
     #[test]
     fn bad_sampling_names_the_field() {
         assert_eq!(sampling_from_pb(None).expect_err("missing").field, "sampling");
-        let zero = pb::SamplingParams { max_tokens: 0, ..Default::default() };
+        let unseeded = pb::SamplingParams { max_tokens: 4, ..Default::default() };
+        assert_eq!(sampling_from_pb(Some(&unseeded)).expect_err("no seed").field, "sampling.seed");
+        let zero = pb::SamplingParams { max_tokens: 0, seed: Some(1), ..Default::default() };
         assert!(sampling_from_pb(Some(&zero)).expect_err("zero").message.contains("max_tokens"));
-        let negative = pb::SamplingParams { max_tokens: 1, temperature: -1.0, ..Default::default() };
+        let negative = pb::SamplingParams { max_tokens: 1, temperature: -1.0, seed: Some(1), ..Default::default() };
         assert!(sampling_from_pb(Some(&negative)).expect_err("negative").message.contains("temperature"));
     }
 

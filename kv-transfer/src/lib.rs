@@ -24,9 +24,16 @@ pub mod wire;
 
 use std::future::Future;
 
+use pd_proto::v1 as pb;
+
 pub use error::TransferError;
 pub use receiver::{CommittedKv, KvRegistry, KvSink, MemorySink, Outcome, Reservation};
 pub use wire::{frame_runs, Frame, KvGeometry, TransferHeader, MAX_FRAME_BYTES};
+
+/// A commit without log probabilities: the first token and the prompt length.
+pub fn kv_commit(first_token: u32, prompt_tokens: u32) -> pb::KvCommit {
+    pb::KvCommit { first_token, prompt_tokens, first_logprobs: None }
+}
 
 /// What the receiver confirmed at commit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,12 +54,9 @@ pub trait KvTransfer: Send {
     /// Queues a frame; waits while the in-flight window is full. Fails early if the receiver
     /// refused the transfer or vanished.
     fn send(&mut self, frame: Frame) -> impl Future<Output = Result<(), TransferError>> + Send;
-    /// Ends the transfer and waits for the receiver's confirmation.
-    fn commit(
-        self,
-        first_token: u32,
-        prompt_tokens: u32,
-    ) -> impl Future<Output = Result<CommitReceipt, TransferError>> + Send;
+    /// Ends the transfer (first token, prompt length, the first token's log probabilities)
+    /// and waits for the receiver's confirmation.
+    fn commit(self, commit: pb::KvCommit) -> impl Future<Output = Result<CommitReceipt, TransferError>> + Send;
     /// Ends the transfer without success; the receiver frees the blocks.
     fn abort(self, reason: &str) -> impl Future<Output = ()> + Send;
 }

@@ -23,6 +23,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use pd_engine::{BlockAllocation, WireDType};
+use pd_proto::v1 as pb;
 use tokio::sync::oneshot;
 
 use crate::error::TransferError;
@@ -58,6 +59,8 @@ pub struct CommittedKv {
     pub blocks: BlockAllocation,
     pub num_tokens: u32,
     pub first_token: u32,
+    /// The first token's log probabilities, when the request asked for them.
+    pub first_logprobs: Option<pb::TokenLogprobs>,
     pub bytes: u64,
     pub frames: u32,
     /// W3C trace context the sender put in the header.
@@ -280,7 +283,8 @@ impl KvRegistry {
 
     /// Completes a transfer whose every (layer, block) arrived; hands the blocks to the waiter.
     /// Returns (bytes, frames) received.
-    pub fn commit(&self, id: &str, first_token: u32, prompt_tokens: u32) -> Result<(u64, u32), TransferError> {
+    pub fn commit(&self, id: &str, commit: pb::KvCommit) -> Result<(u64, u32), TransferError> {
+        let pb::KvCommit { first_token, prompt_tokens, first_logprobs } = commit;
         let arc = self.get(id)?;
         let mut entry = lock(&arc);
         let checked = self.with_entry_checks(id, &mut entry, |e| {
@@ -310,6 +314,7 @@ impl KvRegistry {
             blocks: entry.blocks.take().ok_or_else(|| TransferError::UnknownTransfer(id.to_string()))?,
             num_tokens: entry.num_tokens,
             first_token,
+            first_logprobs,
             bytes,
             frames,
             trace_context: std::mem::take(&mut entry.trace_context),

@@ -13,6 +13,7 @@ use std::time::Duration;
 use common::{geometry, Receiver};
 use pd_engine::WireDType;
 use pd_kv_transfer::convert::{sampling_from_pb, Target};
+use pd_kv_transfer::kv_commit;
 use pd_kv_transfer::{Frame, TransferHeader};
 use pd_proto::v1 as pb;
 use proptest::prelude::*;
@@ -122,7 +123,7 @@ proptest! {
                     }
                 }
                 Op::Commit { tokens } => {
-                    let _ = r.registry.commit("t", 1, tokens);
+                    let _ = r.registry.commit("t", kv_commit(1, tokens));
                 }
                 Op::Abort => {
                     let _ = r.registry.abort("t", "fuzz");
@@ -140,7 +141,7 @@ proptest! {
                                 let _ = r.registry.apply_frame("t", &Frame::from_pb(f));
                             }
                             Some(M::Commit(c)) => {
-                                let _ = r.registry.commit("t", c.first_token, c.prompt_tokens);
+                                let _ = r.registry.commit("t", kv_commit(c.first_token, c.prompt_tokens));
                             }
                             Some(M::Abort(a)) => {
                                 let _ = r.registry.abort("t", &a.reason);

@@ -8,6 +8,7 @@ use std::time::Duration;
 use common::{assert_landed, frames, geometry, Receiver};
 use pd_engine::WireDType;
 use pd_kv_transfer::grpc::{GrpcKvReceiver, GrpcKvSender};
+use pd_kv_transfer::kv_commit;
 use pd_kv_transfer::{KvReceiver, KvSender, KvTransfer};
 use tokio::net::TcpListener;
 
@@ -38,7 +39,7 @@ async fn random_kv_arrives_bit_exact_in_scattered_blocks() {
         for f in &all {
             transfer.send(f.clone()).await.expect("send");
         }
-        let receipt = transfer.commit(7, 150).await.expect("commit");
+        let receipt = transfer.commit(kv_commit(7, 150)).await.expect("commit");
         assert_eq!(receipt.frames as usize, all.len());
         let committed = outcome.await.expect("outcome").expect("committed");
         assert_eq!(committed.first_token, 7);
@@ -68,7 +69,7 @@ async fn sixteen_concurrent_transfers_do_not_mix() {
                 transfer.send(f).await?;
                 tokio::task::yield_now().await; // interleave with the other transfers
             }
-            transfer.commit(i as u32, 70).await
+            transfer.commit(kv_commit(i as u32, 70)).await
         }));
     }
     for task in tasks {
@@ -112,7 +113,7 @@ async fn refusals_reach_the_sender_with_their_reason() {
     }
     let err = match failure {
         Some(e) => e,
-        None => transfer.commit(0, 40).await.expect_err("refused"),
+        None => transfer.commit(kv_commit(0, 40)).await.expect_err("refused"),
     };
     assert!(err.to_string().contains("checksum"), "{err}");
     assert!(outcome.await.expect("outcome").is_err());

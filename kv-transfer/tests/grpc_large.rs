@@ -9,6 +9,7 @@ use std::time::Duration;
 use common::{payload, Receiver};
 use pd_engine::WireDType;
 use pd_kv_transfer::grpc::{GrpcKvReceiver, GrpcKvSender};
+use pd_kv_transfer::kv_commit;
 use pd_kv_transfer::{frame_runs, Frame, KvGeometry, KvReceiver, KvSender, KvTransfer};
 
 fn peak_rss_bytes() -> u64 {
@@ -50,7 +51,7 @@ async fn transfer_of_256_mib_keeps_memory_bounded() {
             transfer.send(Frame::new(layer, first, count, data)).await.expect("send");
         }
     }
-    let receipt = transfer.commit(0, (blocks * 16) as u32).await.expect("commit");
+    let receipt = transfer.commit(kv_commit(0, (blocks * 16) as u32)).await.expect("commit");
     assert_eq!(receipt.bytes, total);
     let growth = peak_rss_bytes().saturating_sub(before);
     eprintln!("peak RSS growth {} MiB for {} MiB", growth / MIB, total / MIB);

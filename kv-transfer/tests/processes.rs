@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use common::{frames, geometry, Receiver};
 use pd_engine::WireDType;
 use pd_kv_transfer::grpc::{GrpcKvReceiver, GrpcKvSender};
+use pd_kv_transfer::kv_commit;
 use pd_kv_transfer::{KvReceiver, KvSender, KvTransfer};
 
 const PEER: &str = env!("CARGO_BIN_EXE_pd-kv-peer");
@@ -116,7 +117,7 @@ where
     }
     let err = match result {
         Err(e) => e,
-        Ok(()) => transfer.commit(1, 512).await.expect_err("receiver is dead"),
+        Ok(()) => transfer.commit(kv_commit(1, 512)).await.expect_err("receiver is dead"),
     };
     let took = killed_at.elapsed();
     assert!(took <= timeout + Duration::from_millis(500), "{transport}: sender noticed after {took:?}: {err}");

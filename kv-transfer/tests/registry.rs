@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use common::{frames, geometry, Receiver};
 use pd_engine::WireDType;
+use pd_kv_transfer::kv_commit;
 use pd_kv_transfer::{Frame, TransferError};
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -41,7 +42,7 @@ fn complete_transfer_commits_and_hands_over_the_blocks() {
     for f in all.iter().rev() {
         r.registry.apply_frame("t1", f).expect("frame in any order");
     }
-    let (bytes, count) = r.registry.commit("t1", 42, 40).expect("commit");
+    let (bytes, count) = r.registry.commit("t1", kv_commit(42, 40)).expect("commit");
     assert_eq!(count as usize, all.len());
     assert_eq!(bytes as usize, all.iter().map(|f| f.data.len()).sum::<usize>());
     common::assert_landed(&r, &header, &all);
@@ -155,7 +156,7 @@ fn commit_before_every_piece_arrived_is_refused() {
     let (r, header, outcome) = opened();
     let all = frames(&header, 7, 3);
     r.registry.apply_frame("t1", &all[0]).expect("layer 0");
-    let err = r.registry.commit("t1", 1, 40).expect_err("layer 1 missing");
+    let err = r.registry.commit("t1", kv_commit(1, 40)).expect_err("layer 1 missing");
     assert!(err.to_string().contains("never arrived"), "{err}");
     assert_failed(&r, outcome, &err, "incomplete");
 }
@@ -171,6 +172,6 @@ fn a_detached_sender_can_be_replaced_while_the_lease_holds() {
     for f in &all {
         r.registry.apply_frame("t1", f).expect("retry sends everything again");
     }
-    r.registry.commit("t1", 3, 40).expect("commit");
+    r.registry.commit("t1", kv_commit(3, 40)).expect("commit");
     assert!(outcome.try_recv().expect("outcome").is_ok());
 }

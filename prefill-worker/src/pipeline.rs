@@ -32,6 +32,8 @@ pub struct PrefillJob {
 #[derive(Debug)]
 pub struct PrefillSent {
     pub first_token: u32,
+    /// The first token's log probabilities, when the request asked for them.
+    pub first_logprobs: Option<pd_engine::TokenLogprobs>,
     /// The prompt's KV on the prefill side (drop it to free the blocks).
     pub source: SequenceKv,
     pub receipt: CommitReceipt,
@@ -166,17 +168,25 @@ async fn sample_and_commit<T: KvTransfer>(
     computed: Computed,
 ) -> Result<PrefillSent, PrefillError> {
     let Computed { finished, waited, compute_started, chunks, layers, last_layer_at, cached } = computed;
-    let sampled = pd_engine::Sampler::new(&job.sampling).and_then(|mut s| s.sample(&finished.logits));
-    let first_token = match sampled {
+    let eos = job.engine.tokenizer().eos_ids();
+    let sampled =
+        pd_engine::Sampler::for_sequence(&job.sampling, &job.prompt, eos).and_then(|mut s| s.draw(&finished.logits));
+    let first = match sampled {
         Ok(t) => t,
         Err(e) => {
             transfer.abort(&format!("prefill failed: {e}")).await;
             return Err(e.into());
         }
     };
-    let receipt = transfer.commit(first_token, (job.prompt.len() - job.ship_from) as u32).await?;
+    let commit = pd_proto::v1::KvCommit {
+        first_token: first.token,
+        prompt_tokens: (job.prompt.len() - job.ship_from) as u32,
+        first_logprobs: first.logprobs.as_ref().map(pd_kv_transfer::convert::logprobs_to_pb),
+    };
+    let receipt = transfer.commit(commit).await?;
     Ok(PrefillSent {
-        first_token,
+        first_token: first.token,
+        first_logprobs: first.logprobs,
         source: finished.kv,
         receipt,
         prefill_time: finished.compute_time,

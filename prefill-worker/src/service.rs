@@ -261,6 +261,7 @@ impl PrefillWorker for PrefillService {
             kv_commit_ms: ms(sent.prefill_end_to_commit),
             kv_bytes: sent.receipt.bytes,
             cached_tokens: sent.cached_tokens as u32,
+            first_logprobs: sent.first_logprobs.as_ref().map(pd_kv_transfer::convert::logprobs_to_pb),
         }))
     }
 

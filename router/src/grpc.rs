@@ -6,16 +6,18 @@ use std::sync::Arc;
 
 use futures_util::StreamExt;
 use pb::generation_server::Generation;
+use pd_engine::TextSide;
 use pd_proto::v1 as pb;
 use tonic::{Request, Response, Status};
 
+use crate::api::logprobs::with_texts;
 use crate::classes::CLASS_HEADER;
 use crate::error::RouterError;
 use crate::http::AppState;
 use crate::lifecycle;
-use crate::record::Arrival;
+use crate::record::{client_request_id, Arrival};
 use crate::relay::Update;
-use crate::validate::{GenerateParams, Input, Kind, Role};
+use crate::validate::{GenerateParams, Input, Kind, LogitParams, Role};
 
 /// The Generation service.
 #[derive(Debug, Clone)]
@@ -40,6 +42,18 @@ pub fn params_from_pb(req: pb::GenerateRequest) -> Result<GenerateParams, Router
         _ => return Err(RouterError::invalid("prompt", "set exactly one of `prompt` and `messages`")),
     };
     let s = req.sampling.unwrap_or_default();
+    if s.output_offset != 0 {
+        return Err(RouterError::invalid("sampling.output_offset", "`output_offset` is set by the router only"));
+    }
+    let logits = LogitParams {
+        frequency_penalty: Some(s.frequency_penalty as f64).filter(|&v| v != 0.0),
+        presence_penalty: Some(s.presence_penalty as f64).filter(|&v| v != 0.0),
+        repetition_penalty: Some(s.repetition_penalty as f64).filter(|&v| v != 0.0),
+        logit_bias: s.logit_bias.iter().map(|(id, &b)| (id.to_string(), b as f64)).collect(),
+        min_tokens: Some(s.min_tokens as u64).filter(|&m| m > 0),
+        logprobs: s.logprobs.then_some(s.top_logprobs as u64),
+        logprobs_field: "sampling.top_logprobs",
+    };
     Ok(GenerateParams {
         kind,
         model: Some(req.model).filter(|m| !m.is_empty()),
@@ -49,19 +63,29 @@ pub fn params_from_pb(req: pb::GenerateRequest) -> Result<GenerateParams, Router
         temperature: Some(s.temperature as f64),
         top_p: Some(s.top_p as f64).filter(|&p| p != 0.0),
         top_k: Some(s.top_k).filter(|&k| k > 0),
-        seed: Some(s.seed),
+        seed: s.seed,
         stop: s.stop,
         stop_token_ids: s.stop_token_ids,
         ignore_eos: s.ignore_eos,
         stream: true,
         include_usage: true,
+        logits,
+        user: None,
     })
 }
 
-fn response(update: Result<Update, RouterError>, request_id: &str) -> Result<pb::GenerateResponse, Status> {
+fn response(
+    update: Result<Update, RouterError>,
+    request_id: &str,
+    side: &TextSide,
+) -> Result<pb::GenerateResponse, Status> {
     use pb::generate_response::Message;
     let message = match update.map_err(|e| e.to_status())? {
-        Update::Token { token_id, text } => Message::Token(pb::GeneratedToken { token_id, text }),
+        Update::Token { token_id, text, logprobs } => Message::Token(pb::GeneratedToken {
+            token_id,
+            text,
+            logprobs: logprobs.map(|l| with_texts(&side.tokenizer, token_id, l)),
+        }),
         Update::Done { finish_reason, prompt_tokens, completion_tokens, cached_tokens } => {
             Message::Done(pb::GenerationDone {
                 finish_reason,
@@ -88,13 +112,21 @@ impl Generation for GenerationService {
             metadata.get("authorization").map(|v| v.as_bytes()),
         );
         let req = request.into_inner();
-        let id = if req.request_id.is_empty() { self.state.request_id() } else { req.request_id.clone() };
-        let params = params_from_pb(req);
+        // The caller's id is a label; the router's own id keys the request in the cluster.
+        let client_id =
+            Some(&req.request_id).filter(|id| !id.is_empty()).map(|id| client_request_id(id.as_bytes(), "request_id"));
+        let arrival = arrival.with_client_id(client_id.clone().and_then(Result::ok));
+        let id = AppState::request_id();
+        let params = match client_id {
+            Some(Err(e)) => Err(e),
+            _ => params_from_pb(req),
+        };
         let (valid, class, record) =
             self.state.accept(arrival, caller, params, id.clone()).await.map_err(|e| e.to_status())?;
         let updates = lifecycle::start(self.state.scheduler.clone(), self.state.text.clone(), &valid, class, record)
             .await
             .map_err(|e| e.to_status())?;
-        Ok(Response::new(Box::pin(updates.map(move |u| response(u, &id)))))
+        let side = self.state.text.clone();
+        Ok(Response::new(Box::pin(updates.map(move |u| response(u, &id, &side)))))
     }
 }

@@ -3,7 +3,7 @@
 //! the stream with an error event (never a silent close or a `[DONE]`).
 
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -17,12 +17,13 @@ use axum::{Json, Router};
 use futures_util::StreamExt;
 use pd_engine::TextSide;
 
+use crate::api::logprobs::Logprobs;
 use crate::api::request;
 use crate::api::response::{object_name, Choice, Chunk, ChunkChoice, Completion, ModelList, Usage};
 use crate::classes::{Class, CLASS_HEADER};
 use crate::error::RouterError;
 use crate::lifecycle::{self, Updates};
-use crate::record::{Arrival, RequestRecord};
+use crate::record::{client_request_id, Arrival, RequestRecord};
 use crate::relay::Update;
 use crate::schedule::Scheduler;
 use crate::validate::{validate, GenerateParams, Kind, Limits, ValidRequest};
@@ -37,7 +38,6 @@ pub struct AppState {
     pub limits: Limits,
     pub model_name: String,
     pub body_limit: usize,
-    pub next_id: AtomicU64,
     pub metrics: Arc<Metrics>,
     pub router_metrics: RouterMetrics,
     /// Set on SIGTERM: `/ready` fails so the load balancer stops sending new requests.
@@ -53,8 +53,12 @@ pub struct Caller {
 }
 
 impl AppState {
-    pub fn request_id(&self) -> String {
-        format!("req-{}-{}", std::process::id(), self.next_id.fetch_add(1, Ordering::Relaxed))
+    /// A new request id, unique across router replicas and restarts without any coordination:
+    /// a UUIDv7 (milliseconds since the epoch, then 74 random bits). Workers key the request's
+    /// KV transfer by it, so two routers over the same workers must never make the same id
+    /// (a counter with the pid collided: every replica is pid 1 in its own container).
+    pub fn request_id() -> String {
+        format!("req-{}", uuid::Uuid::now_v7().simple())
     }
 
     /// The request's traffic class from its API key, `x-pd-class` header or metadata value,
@@ -114,6 +118,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
@@ -153,6 +159,9 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
     Ok(Bytes::from(bytes))
 }
 
+/// The caller's own request id (kept as a label; the response's `id` is the router's).
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
 /// Most bytes of an oversized body read before answering 413 anyway.
 const DRAIN_CAP: usize = 64 << 20;
 
@@ -165,13 +174,18 @@ async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap
 }
 
 async fn handle(state: Arc<AppState>, kind: Kind, headers: HeaderMap, body: Body) -> Response {
-    let arrival = Arrival::new(&pd_telemetry::otel::extract_headers(&headers));
+    let client_id = headers.get(REQUEST_ID_HEADER).map(|v| client_request_id(v.as_bytes(), REQUEST_ID_HEADER));
+    let arrival = Arrival::new(&pd_telemetry::otel::extract_headers(&headers))
+        .with_client_id(client_id.clone().and_then(Result::ok));
     let caller = state.caller(
         headers.get(CLASS_HEADER).map(|v| v.as_bytes()),
         headers.get(header::AUTHORIZATION).map(|v| v.as_bytes()),
     );
-    let params = read_body(&state, &headers, body).await.and_then(|b| request::decode(kind, &b));
-    let id = state.request_id();
+    let params = match client_id {
+        Some(Err(e)) => Err(e),
+        _ => read_body(&state, &headers, body).await.and_then(|b| request::decode(kind, &b)),
+    };
+    let id = AppState::request_id();
     let (req, class, record) = match state.accept(arrival, caller, params, id.clone()).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
@@ -180,26 +194,33 @@ async fn handle(state: Arc<AppState>, kind: Kind, headers: HeaderMap, body: Body
         Ok(u) => u,
         Err(e) => return e.into_response(),
     };
+    let text = state.text.clone();
     if req.stream {
-        stream_response(req, id, updates).into_response()
+        stream_response(req, id, updates, text).into_response()
     } else {
-        collect_response(req, id, updates).await
+        collect_response(req, id, updates, &text).await
     }
 }
 
-/// A whole response: every token's text, then the usage.
-async fn collect_response(req: ValidRequest, id: String, mut updates: Updates) -> Response {
+/// A whole response: every token's text (and log probabilities, when asked), then the usage.
+async fn collect_response(req: ValidRequest, id: String, mut updates: Updates, side: &TextSide) -> Response {
     let mut text = String::new();
+    let mut logprobs = req.params.logprobs.map(|_| Logprobs::new(req.kind));
     while let Some(update) = updates.next().await {
         match update {
-            Ok(Update::Token { text: t, .. }) => text.push_str(&t),
+            Ok(Update::Token { token_id, text: t, logprobs: l }) => {
+                if let (Some(all), Some(l)) = (&mut logprobs, &l) {
+                    all.push(&side.tokenizer, token_id, &t, l);
+                }
+                text.push_str(&t);
+            }
             Ok(Update::Done { finish_reason, prompt_tokens, completion_tokens, cached_tokens }) => {
                 return Json(Completion {
                     id,
                     object: object_name(req.kind, false),
                     created: unix_now(),
                     model: req.model,
-                    choices: vec![Choice::of(req.kind, text, finish_reason)],
+                    choices: vec![Choice::of(req.kind, text, finish_reason, logprobs)],
                     usage: Usage::new(prompt_tokens, completion_tokens, cached_tokens),
                 })
                 .into_response();
@@ -216,6 +237,7 @@ fn stream_response(
     req: ValidRequest,
     id: String,
     updates: Updates,
+    side: Arc<TextSide>,
 ) -> Sse<impl futures_util::Stream<Item = Result<Event, Infallible>>> {
     let created = unix_now();
     let (kind, include_usage) = (req.kind, req.include_usage);
@@ -231,10 +253,17 @@ fn stream_response(
         Event::default().data(serde_json::to_string(&chunk).unwrap_or_default())
     };
     let mut first = true;
+    let mut logprobs = req.params.logprobs.map(|_| Logprobs::new(kind));
     let events = updates.flat_map(move |update| {
         let out: Vec<Event> = match update {
-            Ok(Update::Token { text, .. }) => {
-                let event = chunk(vec![ChunkChoice::token(kind, text, first)], None);
+            Ok(Update::Token { token_id, text, logprobs: l }) => {
+                let this = logprobs.as_mut().map(|all| {
+                    if let Some(l) = &l {
+                        all.push(&side.tokenizer, token_id, &text, l);
+                    }
+                    all.take()
+                });
+                let event = chunk(vec![ChunkChoice::token(kind, text, first, this)], None);
                 first = false;
                 vec![event]
             }
@@ -253,8 +282,35 @@ fn stream_response(
     Sse::new(events)
 }
 
+async fn tokenize(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    let body = match read_body(&state, &headers, body).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let run = move || {
+        let r = request::decode_object(&body)?;
+        crate::api::tokenize::tokenize(r, &state.text, &state.model_name)
+    };
+    match tokio::task::spawn_blocking(run).await {
+        Ok(Ok(answer)) => Json(answer).into_response(),
+        Ok(Err(e)) => e.into_response(),
+        Err(e) => RouterError::Unprocessable(format!("tokenizing failed: {e}")).into_response(),
+    }
+}
+
+async fn detokenize(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    let answer = read_body(&state, &headers, body)
+        .await
+        .and_then(|b| request::decode_object(&b))
+        .and_then(|r| crate::api::tokenize::detokenize(r, &state.text, &state.model_name));
+    match answer {
+        Ok(a) => Json(a).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
 async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
-    Json(ModelList::one(&state.model_name))
+    Json(ModelList::one(&state.model_name, state.text.max_position))
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {

@@ -34,7 +34,7 @@ pub mod workers;
 
 use std::future::Future;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use pd_proto::v1::generation_server::GenerationServer;
@@ -101,7 +101,6 @@ pub async fn run(
         limits: config.limits.clone(),
         model_name: config.model_name.clone(),
         body_limit: config.body_limit,
-        next_id: AtomicU64::new(0),
         router_metrics,
         metrics,
         draining: AtomicBool::new(false),

@@ -297,7 +297,7 @@ impl RelayTask {
                 Next::Prefill(Ok(p)) => {
                     self.record.prefill_worker = p.worker.clone();
                     self.record.prefilled(p.timings);
-                    match self.leg.relay.on_prefill_done(p.first_token, p.first_text) {
+                    match self.leg.relay.on_prefill_done(p.first_token, p.first_text, p.first_logprobs) {
                         Some(update) => Relayed::Send(update),
                         None => Relayed::Skip,
                     }
@@ -405,7 +405,7 @@ impl RelayTask {
         match relayed {
             Relayed::Skip => true,
             Relayed::Send(update) => {
-                if let Update::Token { token_id, text } = &update {
+                if let Update::Token { token_id, text, .. } = &update {
                     self.sent.push(*token_id);
                     self.record.token(text);
                 }

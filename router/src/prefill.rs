@@ -58,6 +58,7 @@ pub struct Prefilled {
     pub first_token: u32,
     /// The first token's text, exactly as the decode worker's output tracker makes it.
     pub first_text: String,
+    pub first_logprobs: Option<pb::TokenLogprobs>,
 }
 
 impl PrefillCall {
@@ -136,6 +137,12 @@ impl PrefillCall {
             kv_commit_ms: r.kv_commit_ms,
             cached_tokens: r.cached_tokens,
         };
-        Ok(Prefilled { worker, timings, first_token: r.first_token, first_text: first.text_delta })
+        Ok(Prefilled {
+            worker,
+            timings,
+            first_token: r.first_token,
+            first_text: first.text_delta,
+            first_logprobs: r.first_logprobs,
+        })
     }
 }

@@ -23,13 +23,36 @@ pub struct Arrival {
     arrived: Instant,
     root: StageSpan,
     queue: StageSpan,
+    /// The caller's own id for the request (`x-request-id`, gRPC `request_id`): a label on
+    /// the span and the record, never a key (the router's id keys the KV transfer).
+    client_request_id: Option<String>,
+}
+
+/// Longest client request id kept (bytes).
+pub const MAX_CLIENT_REQUEST_ID: usize = 128;
+
+/// A caller's request id from `field`, checked: 1 to 128 visible ASCII characters (it goes
+/// into logs and traces as it is).
+pub fn client_request_id(value: &[u8], field: &str) -> Result<String, RouterError> {
+    let visible = value.iter().all(|b| (0x21..=0x7e).contains(b));
+    if value.is_empty() || value.len() > MAX_CLIENT_REQUEST_ID || !visible {
+        let message = format!("`{field}` must be 1 to {MAX_CLIENT_REQUEST_ID} visible ASCII characters");
+        return Err(RouterError::invalid(field, message));
+    }
+    Ok(String::from_utf8_lossy(value).into_owned())
 }
 
 impl Arrival {
     pub fn new(parent: &pd_telemetry::opentelemetry::Context) -> Self {
         let root = StageSpan::start("router.request", parent);
         let queue = StageSpan::start("router.queue", root.context());
-        Arrival { arrived: Instant::now(), root, queue }
+        Arrival { arrived: Instant::now(), root, queue, client_request_id: None }
+    }
+
+    /// Keeps the caller's id for the request as a label.
+    pub fn with_client_id(mut self, id: Option<String>) -> Self {
+        self.client_request_id = id;
+        self
     }
 
     /// Ends the queue span and opens the request's record (`req` is None when validation
@@ -41,8 +64,11 @@ impl Arrival {
         class: RequestClass,
         req: Option<&ValidRequest>,
     ) -> RequestRecord {
-        let Arrival { arrived, root, queue } = self;
+        let Arrival { arrived, root, queue, client_request_id } = self;
         queue.end();
+        if let Some(id) = &client_request_id {
+            root.set("pd.client_request_id", id.clone());
+        }
         if let Some(r) = req {
             let operation = match r.kind {
                 Kind::Chat => "chat",
@@ -55,9 +81,16 @@ impl Arrival {
             if let Some(top_p) = r.params.top_p {
                 root.set("gen_ai.request.top_p", top_p);
             }
+            // The seed, given or drawn: any sampled answer can be replayed from its trace.
+            root.set("gen_ai.request.seed", r.params.seed as i64);
+            if let Some(user) = &r.user {
+                root.set("pd.user", user.clone());
+            }
         }
         let input_tokens = req.map(|r| r.prompt_tokens.len()).unwrap_or(0);
-        RequestRecord::new(metrics, request_id, class, input_tokens, arrived, root)
+        let mut record = RequestRecord::new(metrics, request_id, class, input_tokens, arrived, root);
+        record.client_request_id = client_request_id;
+        record
     }
 }
 
@@ -86,6 +119,8 @@ pub struct DecodeTimings {
 pub struct RequestRecord {
     metrics: RouterMetrics,
     pub request_id: String,
+    /// The caller's own id, if it sent one (logged beside `request_id`).
+    pub client_request_id: Option<String>,
     class: RequestClass,
     input_tokens: usize,
     labels: StageLabels,
@@ -135,6 +170,7 @@ impl RequestRecord {
         RequestRecord {
             metrics,
             request_id,
+            client_request_id: None,
             labels: StageLabels::new(&class, input_tokens),
             class,
             input_tokens,
@@ -257,6 +293,7 @@ impl RequestRecord {
         tracing::info!(
             target: "pd_request",
             request_id = %self.request_id,
+            client_request_id = self.client_request_id.as_deref(),
             class = self.class.as_str(),
             tenant = self.tenant.as_deref(),
             input_tokens = self.input_tokens,

@@ -15,15 +15,13 @@ pub enum Update {
     Token {
         token_id: u32,
         text: String,
+        /// With `logprobs`: the first token's from the prefill worker, the rest from the decode
+        /// worker (token texts not yet filled in).
+        logprobs: Option<pb::TokenLogprobs>,
     },
     /// The end. `cached_tokens`: prompt tokens not computed for this request (the prefix
     /// cache of the worker that prefilled it).
-    Done {
-        finish_reason: String,
-        prompt_tokens: u32,
-        completion_tokens: u32,
-        cached_tokens: u32,
-    },
+    Done { finish_reason: String, prompt_tokens: u32, completion_tokens: u32, cached_tokens: u32 },
 }
 
 /// What to do with one decode-stream message.
@@ -71,12 +69,17 @@ impl Relay {
 
     /// The prefill worker answered with the first token and its text: sent now, unless the
     /// decode stream already delivered it.
-    pub fn on_prefill_done(&mut self, token_id: u32, text: String) -> Option<Update> {
+    pub fn on_prefill_done(
+        &mut self,
+        token_id: u32,
+        text: String,
+        logprobs: Option<pb::TokenLogprobs>,
+    ) -> Option<Update> {
         if self.ended || self.first_sent.is_some() {
             return None;
         }
         self.first_sent = Some(token_id);
-        Some(Update::Token { token_id, text })
+        Some(Update::Token { token_id, text, logprobs })
     }
 
     /// One message (or the end, or an error) of the decode stream.
@@ -119,7 +122,7 @@ impl Relay {
             }),
             (_, _) => {
                 self.first_sent.get_or_insert(t.token_id);
-                Relayed::Send(Update::Token { token_id: t.token_id, text: t.text })
+                Relayed::Send(Update::Token { token_id: t.token_id, text: t.text, logprobs: t.logprobs })
             }
         }
     }
@@ -130,7 +133,7 @@ mod tests {
     use super::*;
 
     fn token(id: u32, text: &str) -> Result<Option<pb::DecodeEvent>, tonic::Status> {
-        let t = pb::TokenEvent { token_id: id, text: text.into(), server_time_unix_nanos: 0 };
+        let t = pb::TokenEvent { token_id: id, text: text.into(), ..Default::default() };
         Ok(Some(pb::DecodeEvent { event: Some(Event::Token(t)) }))
     }
 
@@ -145,13 +148,17 @@ mod tests {
     }
 
     fn send(id: u32, text: &str) -> Relayed {
-        Relayed::Send(Update::Token { token_id: id, text: text.into() })
+        Relayed::Send(Update::Token { token_id: id, text: text.into(), logprobs: None })
     }
 
     #[test]
     fn the_prefill_workers_first_token_goes_out_at_once_and_its_commit_echo_is_skipped() {
         let mut relay = Relay::new(true);
-        assert_eq!(relay.on_prefill_done(7, "Hi".into()), Some(Update::Token { token_id: 7, text: "Hi".into() }));
+        let first = Some(pb::TokenLogprobs { logprob: -0.5, ..Default::default() });
+        assert_eq!(
+            relay.on_prefill_done(7, "Hi".into(), first.clone()),
+            Some(Update::Token { token_id: 7, text: "Hi".into(), logprobs: first })
+        );
         assert_eq!(relay.on_decode_event(token(7, "Hi")), Relayed::Skip);
         assert_eq!(relay.on_decode_event(token(8, " there")), send(8, " there"));
         assert!(matches!(
@@ -166,13 +173,13 @@ mod tests {
         let mut relay = Relay::new(true);
         assert_eq!(relay.on_decode_event(token(7, "Hi")), send(7, "Hi"));
         assert_eq!(relay.on_decode_event(token(8, "!")), send(8, "!"));
-        assert_eq!(relay.on_prefill_done(7, "Hi".into()), None);
+        assert_eq!(relay.on_prefill_done(7, "Hi".into(), None), None);
     }
 
     #[test]
     fn a_first_token_that_disagrees_fails_the_request() {
         let mut relay = Relay::new(true);
-        relay.on_prefill_done(7, "Hi".into());
+        relay.on_prefill_done(7, "Hi".into(), None);
         assert!(matches!(relay.on_decode_event(token(3, "x")), Relayed::Fail(RouterError::Worker { .. })));
     }
 

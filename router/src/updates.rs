@@ -77,7 +77,7 @@ mod tests {
     use super::*;
 
     fn token(id: u32) -> Result<Update, RouterError> {
-        Ok(Update::Token { token_id: id, text: String::new() })
+        Ok(Update::Token { token_id: id, text: String::new(), logprobs: None })
     }
 
     #[tokio::test]

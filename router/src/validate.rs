@@ -43,7 +43,29 @@ impl Role {
 pub enum Input {
     Prompt(String),
     Messages(Vec<(Role, String)>),
+    /// A completion prompt given as token ids.
+    Tokens(Vec<u32>),
 }
+
+/// What changes the logits before sampling, and what is reported of them, as a front end read
+/// it: OpenAI's penalties, `logit_bias` and log probabilities, vLLM's `repetition_penalty` and
+/// `min_tokens`. None is the field's default.
+#[derive(Debug, Clone, Default)]
+pub struct LogitParams {
+    pub frequency_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    /// (token id as the client wrote it, bias).
+    pub logit_bias: Vec<(String, f64)>,
+    pub min_tokens: Option<u64>,
+    /// Alternatives per token; None: no log probabilities.
+    pub logprobs: Option<u64>,
+    /// The field the number of alternatives came from, for errors.
+    pub logprobs_field: &'static str,
+}
+
+/// Most `logit_bias` entries per request.
+pub const MAX_LOGIT_BIAS: usize = 1024;
 
 /// A request as a front end decoded it, before any check.
 #[derive(Debug, Clone)]
@@ -64,6 +86,9 @@ pub struct GenerateParams {
     pub ignore_eos: bool,
     pub stream: bool,
     pub include_usage: bool,
+    pub logits: LogitParams,
+    /// OpenAI's `user`: the caller's end-user id, a label on the request's record.
+    pub user: Option<String>,
 }
 
 /// A request the cluster can run.
@@ -75,6 +100,7 @@ pub struct ValidRequest {
     pub params: SamplingParams,
     pub stream: bool,
     pub include_usage: bool,
+    pub user: Option<String>,
 }
 
 /// Limits the router enforces.
@@ -111,18 +137,101 @@ pub fn validate(
         return Err(RouterError::invalid(field, message));
     }
     let max_tokens = max_tokens(&p, prompt_tokens.len(), context, limits)?;
+    let vocab = text.tokenizer.vocab_size();
+    let logits = check_logits(&p.logits, vocab, max_tokens)?;
+    if let Some(id) = p.stop_token_ids.iter().find(|&&id| id as usize >= vocab) {
+        return Err(RouterError::invalid(
+            "stop_token_ids",
+            format!("token id {id} is outside the vocabulary of {vocab}"),
+        ));
+    }
     let params = SamplingParams {
         temperature: p.temperature.unwrap_or(0.0),
         top_k: p.top_k.map(|k| k as usize),
         top_p: p.top_p.filter(|&t| t < 1.0),
-        seed: p.seed.unwrap_or(0),
+        // A fresh seed per request unless the client fixed one: repeatable with a seed,
+        // random without (the seed is on the request's span, so any answer can be replayed).
+        seed: p.seed.unwrap_or_else(random_seed),
         max_tokens,
         stop_token_ids: p.stop_token_ids,
         stop_strings: p.stop,
         ignore_eos: p.ignore_eos,
         output_offset: 0,
+        ..logits
     };
-    Ok(ValidRequest { kind: p.kind, model, prompt_tokens, params, stream: p.stream, include_usage: p.include_usage })
+    let (kind, stream, include_usage, user) = (p.kind, p.stream, p.include_usage, p.user);
+    Ok(ValidRequest { kind, model, prompt_tokens, params, stream, include_usage, user })
+}
+
+/// A random sampling seed (the operating system's generator).
+fn random_seed() -> u64 {
+    let mut bytes = [0u8; 8];
+    // The OS generator only fails where no entropy source exists at all; the time then still
+    // differs from one request to the next.
+    if getrandom::fill(&mut bytes).is_err() {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        return nanos.as_nanos() as u64;
+    }
+    u64::from_le_bytes(bytes)
+}
+
+/// The logit processing and log probabilities as engine parameters (the rest left greedy's
+/// defaults), each field checked against OpenAI's ranges and the vocabulary by name.
+fn check_logits(l: &LogitParams, vocab: usize, max_tokens: usize) -> Result<SamplingParams, RouterError> {
+    let mut params = SamplingParams::greedy(max_tokens);
+    for (field, value, target) in [
+        ("frequency_penalty", l.frequency_penalty, &mut params.frequency_penalty),
+        ("presence_penalty", l.presence_penalty, &mut params.presence_penalty),
+    ] {
+        match value {
+            Some(v) if !(-2.0..=2.0).contains(&v) => {
+                return Err(RouterError::invalid(field, format!("`{field}` must be between -2 and 2")))
+            }
+            Some(v) => *target = v as f32,
+            None => {}
+        }
+    }
+    match l.repetition_penalty {
+        Some(r) if !(r > 0.0 && r <= 2.0) => {
+            return Err(RouterError::invalid("repetition_penalty", "`repetition_penalty` must be in (0, 2]"))
+        }
+        Some(r) => params.repetition_penalty = r as f32,
+        None => {}
+    }
+    if l.logit_bias.len() > MAX_LOGIT_BIAS {
+        return Err(RouterError::invalid("logit_bias", format!("`logit_bias` takes at most {MAX_LOGIT_BIAS} tokens")));
+    }
+    for (key, bias) in &l.logit_bias {
+        let id = key.parse::<u32>().ok().filter(|&id| (id as usize) < vocab).ok_or_else(|| {
+            RouterError::invalid("logit_bias", format!("`logit_bias` key `{key}` is not a token id below {vocab}"))
+        })?;
+        if !(-100.0..=100.0).contains(bias) {
+            return Err(RouterError::invalid(
+                "logit_bias",
+                format!("`logit_bias` of `{key}` must be between -100 and 100"),
+            ));
+        }
+        params.logit_bias.push((id, *bias as f32));
+    }
+    params.logit_bias.sort_by_key(|&(id, _)| id);
+    if let Some(m) = l.min_tokens {
+        if m > max_tokens as u64 {
+            return Err(RouterError::invalid(
+                "min_tokens",
+                format!("`min_tokens` ({m}) exceeds max_tokens ({max_tokens})"),
+            ));
+        }
+        params.min_tokens = m as usize;
+    }
+    if let Some(k) = l.logprobs {
+        let field = l.logprobs_field;
+        if k > pd_engine::MAX_TOP_LOGPROBS as u64 {
+            let message = format!("`{field}` must be at most {}", pd_engine::MAX_TOP_LOGPROBS);
+            return Err(RouterError::invalid(field, message));
+        }
+        params.logprobs = Some(k as usize);
+    }
+    Ok(params)
 }
 
 fn check_sampling(p: &GenerateParams) -> Result<(), RouterError> {
@@ -156,22 +265,36 @@ fn tokenize(input: &Input, text: &TextSide) -> Result<(&'static str, Vec<u32>), 
         Input::Messages(m) if m.is_empty() => {
             return Err(RouterError::invalid("messages", "`messages` must not be empty"))
         }
-        Input::Messages(messages) => {
-            let template = text
-                .chat_template
-                .as_ref()
-                .ok_or_else(|| RouterError::invalid("messages", "the model has no chat template"))?;
-            let messages: Vec<ChatMessage> = messages.iter().map(|(r, c)| ChatMessage::new(r.as_str(), c)).collect();
-            let prompt =
-                template.render(&messages, true).map_err(|e| RouterError::invalid("messages", e.to_string()))?;
-            ("messages", prompt)
+        Input::Tokens(ids) => {
+            let vocab = text.tokenizer.vocab_size();
+            if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+                let message = format!("token id {id} is outside the vocabulary of {vocab}");
+                return Err(RouterError::invalid(&format!("prompt[{i}]"), message));
+            }
+            return Ok(("prompt", ids.clone()));
         }
+        Input::Messages(messages) => ("messages", render_chat(messages, text, true)?),
     };
     let tokens = text.tokenizer.encode(&prompt).map_err(|e| RouterError::invalid(field, e.to_string()))?;
     if tokens.is_empty() {
         return Err(RouterError::invalid(field, format!("`{field}` gives no tokens")));
     }
     Ok((field, tokens))
+}
+
+/// Chat messages through the model's template (`generation_prompt`: ending with the opening
+/// of the assistant's turn).
+pub fn render_chat(
+    messages: &[(Role, String)],
+    text: &TextSide,
+    generation_prompt: bool,
+) -> Result<String, RouterError> {
+    let template = text
+        .chat_template
+        .as_ref()
+        .ok_or_else(|| RouterError::invalid("messages", "the model has no chat template"))?;
+    let messages: Vec<ChatMessage> = messages.iter().map(|(r, c)| ChatMessage::new(r.as_str(), c)).collect();
+    template.render(&messages, generation_prompt).map_err(|e| RouterError::invalid("messages", e.to_string()))
 }
 
 /// `max_tokens` as given (checked against the limit and the context left), or the kind's

@@ -212,7 +212,7 @@ impl SimPrefill {
             _ => return Err(Status::internal("the KV receiver did not accept the header")),
         }
         tokio::time::sleep(Duration::from_secs_f64(self.cost.kv_commit_ms(uncached) / 1e3)).await;
-        let commit = pb::KvCommit { first_token, prompt_tokens: prompt as u32 };
+        let commit = pb::KvCommit { first_token, prompt_tokens: prompt as u32, first_logprobs: None };
         let _ = tx.send(pb::KvSenderMessage { message: Some(Message::Commit(commit)) }).await;
         match replies.message().await?.and_then(|m| m.message) {
             Some(pb::kv_receiver_message::Message::Committed(c)) => {
@@ -262,6 +262,8 @@ impl pb::prefill_worker_server::PrefillWorker for SimPrefill {
             kv_commit_ms,
             kv_bytes,
             cached_tokens: 0,
+            // A simulated worker has no model and no log probabilities to report.
+            first_logprobs: None,
         }))
     }
 

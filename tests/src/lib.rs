@@ -91,6 +91,9 @@ pub struct Options {
     pub router_args: Vec<String>,
     pub decode_args: Vec<String>,
     pub prefill_args: Vec<String>,
+    /// A command the router runs under (e.g. `unshare --pid --fork`: pid 1 in its own PID
+    /// namespace, as in a container); empty: started directly.
+    pub router_wrapper: Vec<String>,
     /// Write each process's stderr (its log) to a file in a temporary folder instead of the
     /// test's stderr (see `Cluster::log`).
     pub capture_logs: bool,
@@ -165,6 +168,38 @@ fn printed(lines: &[String], prefix: &str) -> String {
         .unwrap_or_else(|| panic!("no `{prefix}` line in {lines:?}"))
 }
 
+/// A router over the given workers: the process, its HTTP and its gRPC address.
+fn spawn_router(
+    prefill: &[String],
+    decode: &[String],
+    options: &Options,
+    log: Option<PathBuf>,
+) -> (Proc, String, String) {
+    let model = model_path();
+    let model = model.to_str().expect("utf-8 path");
+    let mut args = strings(&["--http-listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--model", model]);
+    if !prefill.is_empty() {
+        args.extend(["--prefill".to_string(), prefill.join(",")]);
+    }
+    args.extend(["--decode".to_string(), decode.join(",")]);
+    args.extend(options.router_args.iter().cloned());
+    let (router, lines) = match options.router_wrapper.split_first() {
+        None => spawn("pd-router", &args, "pd-router http on", options, log),
+        Some((program, wrapper_args)) => {
+            let mut command = Command::new(program);
+            command.args(wrapper_args).arg(binary("pd-router")).args(&args).env("UCX_NET_DEVICES", "lo");
+            command.envs(options.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+            spawn_command(command, "pd-router", "pd-router http on", log)
+        }
+    };
+    // "<http> grpc on <grpc>"
+    let line = lines.last().cloned().unwrap_or_default();
+    let mut parts = line.split_whitespace();
+    let http = parts.next().expect("http address").to_string();
+    let grpc = parts.nth(2).expect("grpc address").to_string();
+    (router, http, grpc)
+}
+
 /// A router, one decode worker (or more) and `prefill` prefill workers (none: colocated
 /// serving).
 pub struct Cluster {
@@ -224,18 +259,7 @@ impl Cluster {
             addrs.push(lines.last().cloned().unwrap_or_default());
             prefill_metrics.push(printed(&lines, "pd-prefill metrics on"));
         }
-        let mut args = strings(&["--http-listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--model", model]);
-        if !addrs.is_empty() {
-            args.extend(["--prefill".to_string(), addrs.join(",")]);
-        }
-        args.extend(["--decode".to_string(), decode_addrs.join(",")]);
-        args.extend(options.router_args.iter().cloned());
-        let (router, lines) = spawn("pd-router", &args, "pd-router http on", &options, log("pd-router"));
-        // "<http> grpc on <grpc>"
-        let line = lines.last().cloned().unwrap_or_default();
-        let mut parts = line.split_whitespace();
-        let http = parts.next().expect("http address").to_string();
-        let grpc = parts.nth(2).expect("grpc address").to_string();
+        let (router, http, grpc) = spawn_router(&addrs, &decode_addrs, &options, log("pd-router"));
         let cluster = Cluster {
             router,
             decode,
@@ -254,6 +278,13 @@ impl Cluster {
         };
         cluster.wait_ready().await;
         cluster
+    }
+
+    /// Another router over the same workers, with the same flags and wrapper: its process, HTTP
+    /// and gRPC address (its log goes to `pd-router-<n>` when logs are captured).
+    pub fn start_router(&self, n: usize) -> (Proc, String, String) {
+        let log = self.logs.as_ref().map(|d| d.path().join(format!("pd-router-{n}.log")));
+        spawn_router(&self.prefill_addrs, &self.decode_addrs, &self.options, log)
     }
 
     /// Kills decode worker `i` (SIGKILL) and starts a new one on the same address, as a

@@ -140,7 +140,7 @@ fn request(prompt: &str, seeded: bool) -> pb::GenerateRequest {
         sampling: Some(pb::SamplingParams {
             temperature: if seeded { 0.8 } else { 0.0 },
             top_p: if seeded { 0.95 } else { 0.0 },
-            seed: 77,
+            seed: Some(77),
             max_tokens: MAX_TOKENS,
             ignore_eos: true,
             ..Default::default()

@@ -251,3 +251,57 @@ async fn bad_input_gets_the_right_status(cluster: &Cluster) {
     let models: Value = client.get(cluster.url("/v1/models")).send().await.expect("models").json().await.expect("json");
     assert_eq!(models["data"][0]["id"], "SmolLM2-135M-Instruct");
 }
+
+/// Two routers over the same workers, each pid 1 in its own PID namespace as the 2-replica
+/// router Deployment runs them: 24 concurrent requests split between them all succeed with
+/// the same greedy answers, under 24 distinct request ids; a caller's own id (`x-request-id`,
+/// the same on every request) is only a label.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_routers_in_their_own_pid_namespaces_share_the_workers() {
+    let mut wrapper: Vec<String> = ["unshare", "--pid", "--fork", "--kill-child"].map(String::from).to_vec();
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        wrapper.splice(1..1, ["--user".to_string(), "--map-root-user".to_string()]);
+    }
+    let options = pd_tests::Options { prefill: 1, router_wrapper: wrapper, ..Default::default() };
+    let cluster = Cluster::start_with(options).await;
+    let (second, http2, _) = cluster.start_router(2);
+    for router in [&cluster.router, &second] {
+        assert_eq!(pid_in_namespace(router.child.id()), Some(1), "the router is pid 1 in its namespace");
+    }
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !client.get(format!("http://{http2}/ready")).send().await.is_ok_and(|r| r.status().is_success()) {
+        assert!(Instant::now() < deadline, "the second router never became ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let urls = [cluster.url("/v1/completions"), format!("http://{http2}/v1/completions")];
+    let requests = (0..24).map(|i| {
+        let (client, url) = (client.clone(), urls[i % 2].clone());
+        let body = json!({"prompt": QUESTIONS[i % QUESTIONS.len()], "max_tokens": 8, "temperature": 0});
+        async move {
+            let r = client.post(url).header("x-request-id", "same-for-all").json(&body).send().await.expect("request");
+            (i, r.status().as_u16(), r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    });
+    let answers = futures_util::future::join_all(requests).await;
+    let mut ids = std::collections::HashSet::new();
+    let mut texts = std::collections::HashMap::new();
+    for (i, status, body) in answers {
+        assert_eq!(status, 200, "request {i} through router {}: {body}", i % 2);
+        assert!(ids.insert(body["id"].as_str().expect("id").to_string()), "duplicate id: {body}");
+        let text = body["choices"][0]["text"].as_str().expect("text").to_string();
+        let first = texts.entry(i % QUESTIONS.len()).or_insert_with(|| text.clone());
+        assert_eq!(*first, text, "the same greedy answer through either router");
+    }
+    cluster.wait_kv_free(Duration::from_secs(5)).await;
+}
+
+/// The pid of the wrapper's child (the router) inside its own PID namespace.
+fn pid_in_namespace(wrapper: u32) -> Option<u32> {
+    let children = std::fs::read_to_string(format!("/proc/{wrapper}/task/{wrapper}/children")).ok()?;
+    let child = children.split_whitespace().next()?;
+    let status = std::fs::read_to_string(format!("/proc/{child}/status")).ok()?;
+    let nspid = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+    nspid.split_whitespace().last()?.parse().ok()
+}

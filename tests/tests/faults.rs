@@ -196,7 +196,7 @@ async fn a_killed_decode_workers_stream_continues_on_another_with_the_same_token
         sampling: Some(pb::SamplingParams {
             temperature,
             top_p: 0.95,
-            seed: 1234,
+            seed: Some(1234),
             max_tokens: 120,
             ignore_eos: true,
             ..Default::default()

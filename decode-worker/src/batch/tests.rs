@@ -41,7 +41,7 @@ impl Fixture {
         let (events, rx) = mpsc::unbounded_channel();
         let (start, prompt) = match begin {
             Begin::Prompt(p) => (Start::Prompt { from: 0 }, p),
-            Begin::Prefilled { first_token } => (Start::Prefilled { first_token }, vec![1; 5]),
+            Begin::Prefilled { first_token } => (Start::Prefilled { first_token, logprobs: None }, vec![1; 5]),
         };
         let prompt_tokens = prompt.len();
         let kv = SequenceKv::new(self.blocks.allocate(2).expect("blocks"));

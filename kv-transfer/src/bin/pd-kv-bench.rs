@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use pd_engine::{BlockManager, WireDType};
 use pd_kv_transfer::grpc::{GrpcKvReceiver, GrpcKvSender};
+use pd_kv_transfer::kv_commit;
 use pd_kv_transfer::{
     frame_runs, Frame, KvGeometry, KvReceiver, KvRegistry, KvSender, KvTransfer, MemorySink, Reservation,
     TransferHeader,
@@ -136,7 +137,7 @@ async fn run_transfers<S: KvSender>(
                 transfer.send(Frame::new(layer, first, count, data)).await?;
             }
         }
-        let receipt = transfer.commit(0, header.num_tokens).await?;
+        let receipt = transfer.commit(kv_commit(0, header.num_tokens)).await?;
         best = best.min(t.elapsed().as_secs_f64());
         anyhow::ensure!(receipt.bytes as usize == mib * MIB, "sent {} bytes", receipt.bytes);
         drop(outcome.await?.map_err(|e| anyhow::anyhow!("{e}"))?);

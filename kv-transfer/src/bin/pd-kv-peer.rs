@@ -16,6 +16,7 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use pd_engine::{BlockManager, WireDType};
 use pd_kv_transfer::grpc::{GrpcKvReceiver, GrpcKvSender};
+use pd_kv_transfer::kv_commit;
 use pd_kv_transfer::{
     frame_runs, Frame, KvGeometry, KvReceiver, KvRegistry, KvSender, KvTransfer, MemorySink, Reservation,
     TransferHeader,
@@ -239,6 +240,6 @@ async fn send_with<S: KvSender>(
             say(&format!("sent {sent}"));
         }
     }
-    transfer.commit(1, args.tokens).await?;
+    transfer.commit(kv_commit(1, args.tokens)).await?;
     Ok(())
 }

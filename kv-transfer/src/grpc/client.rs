@@ -121,9 +121,8 @@ impl KvTransfer for GrpcTransfer {
         self.push(message, "room to send a frame").await
     }
 
-    async fn commit(mut self, first_token: u32, prompt_tokens: u32) -> Result<CommitReceipt, TransferError> {
-        let message =
-            pb::KvSenderMessage { message: Some(Outgoing::Commit(pb::KvCommit { first_token, prompt_tokens })) };
+    async fn commit(mut self, commit: pb::KvCommit) -> Result<CommitReceipt, TransferError> {
+        let message = pb::KvSenderMessage { message: Some(Outgoing::Commit(commit)) };
         self.push(message, "room to send the commit").await?;
         let reply = tokio::time::timeout(self.timeout, self.inbound.message())
             .await

@@ -110,7 +110,7 @@ async fn serve_stream(
                 }
             },
             (Some(Incoming::Commit(c)), Some(id)) => {
-                let reply = match registry.commit(id, c.first_token, c.prompt_tokens) {
+                let reply = match registry.commit(id, c) {
                     Ok((bytes, frames)) => {
                         pb::KvReceiverMessage { message: Some(Reply::Committed(pb::KvCommitted { bytes, frames })) }
                     }

@@ -81,7 +81,7 @@ impl Ctx {
             }
             Some(Incoming::Commit(c)) => {
                 self.forget(ep, &id);
-                match self.registry.commit(&id, c.first_token, c.prompt_tokens) {
+                match self.registry.commit(&id, c) {
                     Ok((bytes, frames)) => self.reply(ep, &id, Reply::Committed(pb::KvCommitted { bytes, frames })),
                     Err(e) => self.refuse(ep, &id, &e),
                 }

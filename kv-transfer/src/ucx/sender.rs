@@ -236,8 +236,8 @@ impl KvTransfer for UcxTransfer {
         self.push(header, data, "room to send a frame").await
     }
 
-    async fn commit(mut self, first_token: u32, prompt_tokens: u32) -> Result<CommitReceipt, TransferError> {
-        let header = message(&self.id, Outgoing::Commit(pb::KvCommit { first_token, prompt_tokens }));
+    async fn commit(mut self, commit: pb::KvCommit) -> Result<CommitReceipt, TransferError> {
+        let header = message(&self.id, Outgoing::Commit(commit));
         self.push(header, Vec::new(), "room to send the commit").await?;
         let timeout = self.sender.timeout;
         let reply = tokio::time::timeout(timeout, self.replies.recv())

@@ -3,5 +3,7 @@
 //! responses, stream chunks, errors). Decoding reports the path of a bad field
 //! (`messages[1].role`), which becomes the error's `param`.
 
+pub mod logprobs;
 pub mod request;
 pub mod response;
+pub mod tokenize;

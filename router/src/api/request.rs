@@ -1,20 +1,12 @@
-//! OpenAI request bodies. Unknown fields are refused (a typo must not be silently ignored);
-//! `user`, `frequency_penalty` and `presence_penalty` are accepted and change nothing.
+//! OpenAI request bodies. Unknown fields are refused (a typo must not be silently ignored),
+//! and so is every known field this server cannot honour (`n` above 1, `echo`, ...): nothing
+//! is accepted and then ignored. `user` is kept as a label on the request's record.
 
-use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::Value;
 
 use crate::error::RouterError;
-use crate::validate::{GenerateParams, Input, Kind, Role};
-
-/// `prompt`: one string (a list of one string is accepted too).
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum Prompt {
-    One(String),
-    List(Vec<String>),
-}
+use crate::validate::{GenerateParams, Input, Kind, LogitParams, Role};
 
 /// `stop`: a string or a list of strings.
 #[derive(Debug, Deserialize)]
@@ -37,7 +29,8 @@ pub struct StreamOptions {
 #[serde(deny_unknown_fields)]
 pub struct OpenAiRequest {
     pub model: Option<String>,
-    pub prompt: Option<Prompt>,
+    /// A string, a list of token ids, or a list of one of either (read by `prompt_input`).
+    pub prompt: Option<Value>,
     pub messages: Option<Vec<Message>>,
     pub max_tokens: Option<u64>,
     pub max_completion_tokens: Option<u64>,
@@ -50,9 +43,21 @@ pub struct OpenAiRequest {
     pub stream_options: Option<StreamOptions>,
     pub n: Option<u64>,
     pub ignore_eos: Option<bool>,
-    pub user: Option<IgnoredAny>,
-    pub frequency_penalty: Option<IgnoredAny>,
-    pub presence_penalty: Option<IgnoredAny>,
+    pub user: Option<String>,
+    pub frequency_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    /// vLLM's extension (1 = off).
+    pub repetition_penalty: Option<f64>,
+    /// Token id (as a string key) -> bias added to its logit.
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+    /// vLLM's extension: no end token before this many output tokens.
+    pub min_tokens: Option<u64>,
+    /// Chat: a bool (with `top_logprobs` alternatives); completions: the number of
+    /// alternatives.
+    pub logprobs: Option<Value>,
+    pub top_logprobs: Option<u64>,
+    /// Completions only; only `false` is served.
+    pub echo: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -64,39 +69,43 @@ pub struct Message {
     pub name: Option<String>,
 }
 
-/// Decodes a body of `kind` into the parameters validation checks. JSON syntax errors are
-/// 400, a body that is not an object 422, a bad field 400 naming its path.
-pub fn decode(kind: Kind, body: &[u8]) -> Result<GenerateParams, RouterError> {
+/// Decodes a JSON object body into `T`: syntax errors are 400, a body that is not an object
+/// 422, a bad field 400 naming its path.
+pub fn decode_object<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, RouterError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| RouterError::InvalidRequest { message: format!("invalid JSON body: {e}"), param: None })?;
     if !value.is_object() {
         return Err(RouterError::Unprocessable("the body must be a JSON object".into()));
     }
-    let mut r: OpenAiRequest = typed(value)?;
+    typed(value)
+}
+
+/// Decodes a body of `kind` into the parameters validation checks.
+pub fn decode(kind: Kind, body: &[u8]) -> Result<GenerateParams, RouterError> {
+    let mut r: OpenAiRequest = decode_object(body)?;
     let input = match kind {
         Kind::Completion => {
             if r.messages.is_some() || r.max_completion_tokens.is_some() {
                 let field = if r.messages.is_some() { "messages" } else { "max_completion_tokens" };
                 return Err(RouterError::invalid(field, format!("`{field}` belongs to /v1/chat/completions")));
             }
-            let prompt = match r.prompt.take() {
-                None => return Err(RouterError::invalid("prompt", "`prompt` is required")),
-                Some(Prompt::One(p)) => p,
-                Some(Prompt::List(mut list)) if list.len() == 1 => list.remove(0),
-                Some(Prompt::List(_)) => {
-                    return Err(RouterError::invalid(
-                        "prompt",
-                        "`prompt` must be one string (batches are not supported)",
-                    ))
-                }
-            };
-            Input::Prompt(prompt)
+            if r.echo == Some(true) {
+                return Err(RouterError::invalid("echo", "`echo` is not supported by this server yet"));
+            }
+            if r.top_logprobs.is_some() {
+                return Err(RouterError::invalid(
+                    "top_logprobs",
+                    "`top_logprobs` belongs to /v1/chat/completions; completions take `logprobs`: N",
+                ));
+            }
+            prompt_input(r.prompt.take().ok_or_else(|| RouterError::invalid("prompt", "`prompt` is required"))?)?
         }
         Kind::Chat => {
-            if r.prompt.is_some() {
+            if r.prompt.is_some() || r.echo.is_some() {
+                let field = if r.prompt.is_some() { "prompt" } else { "echo" };
                 return Err(RouterError::invalid(
-                    "prompt",
-                    "`prompt` belongs to /v1/completions; chat takes `messages`",
+                    field,
+                    format!("`{field}` belongs to /v1/completions; chat takes `messages`"),
                 ));
             }
             let messages =
@@ -105,6 +114,62 @@ pub fn decode(kind: Kind, body: &[u8]) -> Result<GenerateParams, RouterError> {
         }
     };
     params(kind, input, r)
+}
+
+/// A completion's `prompt`: a string, a list of token ids, or a list holding one of either
+/// (OpenAI's batch of several prompts is refused by name).
+fn prompt_input(prompt: Value) -> Result<Input, RouterError> {
+    let shape = "`prompt` must be a string, a list of token ids, or a list of one of either";
+    match prompt {
+        Value::String(s) => Ok(Input::Prompt(s)),
+        Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_number) => token_ids(&items, "prompt"),
+        Value::Array(mut items) if items.len() == 1 => match items.remove(0) {
+            Value::String(s) => Ok(Input::Prompt(s)),
+            Value::Array(ids) if ids.iter().all(Value::is_number) => token_ids(&ids, "prompt[0]"),
+            _ => Err(RouterError::invalid("prompt", shape)),
+        },
+        Value::Array(items) if items.len() > 1 && items.iter().all(|i| i.is_string() || i.is_array()) => {
+            Err(RouterError::invalid("prompt", "a batch of several prompts is not supported yet: send one per request"))
+        }
+        _ => Err(RouterError::invalid("prompt", shape)),
+    }
+}
+
+/// Token ids as u32 (their range against the vocabulary is checked in validation).
+fn token_ids(items: &[Value], field: &str) -> Result<Input, RouterError> {
+    let ids = items.iter().enumerate().map(|(i, v)| {
+        v.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(|| {
+            RouterError::invalid(&format!("{field}[{i}]"), format!("`{field}[{i}]` is {v}, not a token id"))
+        })
+    });
+    Ok(Input::Tokens(ids.collect::<Result<_, _>>()?))
+}
+
+/// Chat's `logprobs` (bool) + `top_logprobs`, or a completion's `logprobs` (a count): the
+/// number of alternatives per token, or None for no log probabilities.
+fn logprobs(kind: Kind, logprobs: Option<Value>, top: Option<u64>) -> Result<Option<u64>, RouterError> {
+    match (kind, logprobs.filter(|v| !v.is_null())) {
+        (Kind::Chat, None | Some(Value::Bool(false))) if top.is_some_and(|k| k > 0) => {
+            Err(RouterError::invalid("top_logprobs", "`top_logprobs` needs `logprobs`: true"))
+        }
+        (Kind::Chat, None | Some(Value::Bool(false))) => Ok(None),
+        (Kind::Chat, Some(Value::Bool(true))) => Ok(Some(top.unwrap_or(0))),
+        (Kind::Chat, Some(_)) => Err(RouterError::invalid("logprobs", "`logprobs` must be true or false in chat")),
+        (Kind::Completion, None) => Ok(None),
+        (Kind::Completion, Some(v)) => v
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| RouterError::invalid("logprobs", "`logprobs` must be a number of alternatives (0 to 20)")),
+    }
+}
+
+/// `logit_bias` as (key as sent, bias) pairs; keys and ranges are checked in validation.
+fn logit_bias(map: Option<serde_json::Map<String, Value>>) -> Result<Vec<(String, f64)>, RouterError> {
+    let entries = map.into_iter().flatten().map(|(key, v)| match v.as_f64() {
+        Some(b) => Ok((key, b)),
+        None => Err(RouterError::invalid("logit_bias", format!("`logit_bias` of `{key}` must be a number, not {v}"))),
+    });
+    entries.collect()
 }
 
 /// Deserializes with the path of the failing field (`messages[0].role`) as the error's param.
@@ -128,8 +193,17 @@ fn typed<T: serde::de::DeserializeOwned>(value: Value) -> Result<T, RouterError>
 
 fn params(kind: Kind, input: Input, c: OpenAiRequest) -> Result<GenerateParams, RouterError> {
     if c.n.is_some_and(|n| n != 1) {
-        return Err(RouterError::invalid("n", "only `n` = 1 is supported"));
+        return Err(RouterError::invalid("n", "only `n` = 1 is supported yet"));
     }
+    let logits = LogitParams {
+        frequency_penalty: c.frequency_penalty,
+        presence_penalty: c.presence_penalty,
+        repetition_penalty: c.repetition_penalty,
+        logit_bias: logit_bias(c.logit_bias)?,
+        min_tokens: c.min_tokens,
+        logprobs: logprobs(kind, c.logprobs, c.top_logprobs)?,
+        logprobs_field: if kind == Kind::Chat { "top_logprobs" } else { "logprobs" },
+    };
     let (max_tokens, max_tokens_field) = match c.max_completion_tokens {
         Some(n) => (Some(n), "max_completion_tokens"),
         None => (c.max_tokens, "max_tokens"),
@@ -155,6 +229,8 @@ fn params(kind: Kind, input: Input, c: OpenAiRequest) -> Result<GenerateParams, 
         ignore_eos: c.ignore_eos.unwrap_or(false),
         stream: c.stream.unwrap_or(false),
         include_usage: c.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+        logits,
+        user: c.user,
     })
 }
 
@@ -183,6 +259,20 @@ mod tests {
             Some("stream_options.bogus")
         );
         assert_eq!(param(Kind::Completion, r#"{"prompt":["a","b"]}"#).as_deref(), Some("prompt"));
+        assert_eq!(param(Kind::Completion, r#"{"prompt":[[1],[2]]}"#).as_deref(), Some("prompt"));
+        assert_eq!(param(Kind::Completion, r#"{"prompt":[1,-2]}"#).as_deref(), Some("prompt[1]"));
+        assert_eq!(param(Kind::Completion, r#"{"prompt":[[1,4294967296]]}"#).as_deref(), Some("prompt[0][1]"));
+        assert_eq!(param(Kind::Completion, r#"{"prompt":[]}"#).as_deref(), Some("prompt"));
+        assert_eq!(param(Kind::Completion, r#"{"prompt":"x","echo":true}"#).as_deref(), Some("echo"));
+        assert_eq!(param(Kind::Completion, r#"{"prompt":"x","logprobs":true}"#).as_deref(), Some("logprobs"));
+        assert_eq!(param(Kind::Completion, r#"{"prompt":"x","top_logprobs":2}"#).as_deref(), Some("top_logprobs"));
+        assert_eq!(param(Kind::Chat, r#"{"messages":[],"top_logprobs":2}"#).as_deref(), Some("top_logprobs"));
+        assert_eq!(param(Kind::Chat, r#"{"messages":[],"logprobs":3}"#).as_deref(), Some("logprobs"));
+        assert_eq!(param(Kind::Chat, r#"{"messages":[],"logit_bias":{"5":"x"}}"#).as_deref(), Some("logit_bias"));
+        assert_eq!(
+            param(Kind::Chat, r#"{"messages":[],"frequency_penalty":"x"}"#).as_deref(),
+            Some("frequency_penalty")
+        );
         assert_eq!(param(Kind::Completion, r#"{"messages":[]}"#).as_deref(), Some("messages"));
         assert_eq!(param(Kind::Chat, r#"{"prompt":"x"}"#).as_deref(), Some("prompt"));
         assert_eq!(param(Kind::Chat, r#"{"messages":[{"role":"user","content":"x"}],"n":2}"#).as_deref(), Some("n"));
@@ -204,5 +294,26 @@ mod tests {
                 .expect("valid");
         assert!(p.stream && p.include_usage);
         assert!(matches!(p.input, Input::Prompt(ref s) if s == "one"));
+        for body in [r#"{"prompt":[5,6,7]}"#, r#"{"prompt":[[5,6,7]]}"#] {
+            let p = decode(Kind::Completion, body.as_bytes()).expect("token ids");
+            assert!(matches!(p.input, Input::Tokens(ref ids) if ids == &[5, 6, 7]), "{body}");
+        }
+    }
+
+    #[test]
+    fn penalties_biases_and_logprobs_are_read_in_each_shape() {
+        let body = br#"{"messages":[{"role":"user","content":"x"}],"frequency_penalty":0.5,"presence_penalty":-1,
+            "repetition_penalty":1.2,"logit_bias":{"42":-100,"7":3.5},"min_tokens":2,"logprobs":true,"top_logprobs":5}"#;
+        let l = decode(Kind::Chat, body).expect("valid").logits;
+        assert_eq!((l.frequency_penalty, l.presence_penalty, l.repetition_penalty), (Some(0.5), Some(-1.0), Some(1.2)));
+        let mut bias = l.logit_bias.clone();
+        bias.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(bias, vec![("42".to_string(), -100.0), ("7".to_string(), 3.5)]);
+        assert_eq!((l.min_tokens, l.logprobs), (Some(2), Some(5)));
+        let chat_plain = decode(Kind::Chat, br#"{"messages":[{"role":"user","content":"x"}],"logprobs":true}"#);
+        assert_eq!(chat_plain.expect("valid").logits.logprobs, Some(0));
+        let completion = decode(Kind::Completion, br#"{"prompt":"x","logprobs":3,"echo":false}"#).expect("valid");
+        assert_eq!(completion.logits.logprobs, Some(3));
+        assert_eq!(decode(Kind::Completion, br#"{"prompt":"x"}"#).expect("valid").logits.logprobs, None);
     }
 }

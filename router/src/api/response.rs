@@ -2,6 +2,7 @@
 
 use serde::Serialize;
 
+use crate::api::logprobs::Logprobs;
 use crate::validate::Kind;
 
 #[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
@@ -39,8 +40,8 @@ pub struct AssistantMessage {
 #[derive(Debug, Clone, Serialize)]
 #[serde(untagged)]
 pub enum Choice {
-    Text { index: u32, text: String, finish_reason: String, logprobs: Option<()> },
-    Message { index: u32, message: AssistantMessage, finish_reason: String },
+    Text { index: u32, text: String, finish_reason: String, logprobs: Option<Logprobs> },
+    Message { index: u32, message: AssistantMessage, finish_reason: String, logprobs: Option<Logprobs> },
 }
 
 /// A whole (non-streamed) response.
@@ -66,8 +67,20 @@ pub struct Delta {
 #[derive(Debug, Clone, Serialize)]
 #[serde(untagged)]
 pub enum ChunkChoice {
-    Text { index: u32, text: String, finish_reason: Option<String> },
-    Delta { index: u32, delta: Delta, finish_reason: Option<String> },
+    Text {
+        index: u32,
+        text: String,
+        finish_reason: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        logprobs: Option<Logprobs>,
+    },
+    Delta {
+        index: u32,
+        delta: Delta,
+        finish_reason: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        logprobs: Option<Logprobs>,
+    },
 }
 
 /// One server-sent event's data.
@@ -93,36 +106,40 @@ pub fn object_name(kind: Kind, stream: bool) -> &'static str {
 
 impl Choice {
     /// The one choice of a finished generation.
-    pub fn of(kind: Kind, text: String, finish_reason: String) -> Self {
+    pub fn of(kind: Kind, text: String, finish_reason: String, logprobs: Option<Logprobs>) -> Self {
         match kind {
-            Kind::Completion => Choice::Text { index: 0, text, finish_reason, logprobs: None },
+            Kind::Completion => Choice::Text { index: 0, text, finish_reason, logprobs },
             Kind::Chat => Choice::Message {
                 index: 0,
                 message: AssistantMessage { role: "assistant", content: text },
                 finish_reason,
+                logprobs,
             },
         }
     }
 }
 
 impl ChunkChoice {
-    /// A chunk carrying `text`; the first chat chunk also names the role.
-    pub fn token(kind: Kind, text: String, first: bool) -> Self {
+    /// A chunk carrying `text` (and its token's log probabilities, when asked); the first chat
+    /// chunk also names the role.
+    pub fn token(kind: Kind, text: String, first: bool, logprobs: Option<Logprobs>) -> Self {
         match kind {
-            Kind::Completion => ChunkChoice::Text { index: 0, text, finish_reason: None },
+            Kind::Completion => ChunkChoice::Text { index: 0, text, finish_reason: None, logprobs },
             Kind::Chat => ChunkChoice::Delta {
                 index: 0,
                 delta: Delta { role: first.then_some("assistant"), content: Some(text) },
                 finish_reason: None,
+                logprobs,
             },
         }
     }
 
     /// The chunk that ends the choice.
     pub fn finish(kind: Kind, finish_reason: String) -> Self {
+        let finish_reason = Some(finish_reason);
         match kind {
-            Kind::Completion => ChunkChoice::Text { index: 0, text: String::new(), finish_reason: Some(finish_reason) },
-            Kind::Chat => ChunkChoice::Delta { index: 0, delta: Delta::default(), finish_reason: Some(finish_reason) },
+            Kind::Completion => ChunkChoice::Text { index: 0, text: String::new(), finish_reason, logprobs: None },
+            Kind::Chat => ChunkChoice::Delta { index: 0, delta: Delta::default(), finish_reason, logprobs: None },
         }
     }
 }
@@ -148,6 +165,8 @@ pub struct Model {
     pub object: &'static str,
     pub created: u64,
     pub owned_by: &'static str,
+    /// The context length in tokens (vLLM's field): prompt + output must fit.
+    pub max_model_len: usize,
 }
 
 /// `GET /v1/models`.
@@ -158,11 +177,9 @@ pub struct ModelList {
 }
 
 impl ModelList {
-    pub fn one(name: &str) -> Self {
-        ModelList {
-            object: "list",
-            data: vec![Model { id: name.to_string(), object: "model", created: 0, owned_by: "pd" }],
-        }
+    pub fn one(name: &str, max_model_len: usize) -> Self {
+        let model = Model { id: name.to_string(), object: "model", created: 0, owned_by: "pd", max_model_len };
+        ModelList { object: "list", data: vec![model] }
     }
 }
 
@@ -178,7 +195,7 @@ mod tests {
             object: object_name(Kind::Chat, true),
             created: 1,
             model: "m".into(),
-            choices: vec![ChunkChoice::token(Kind::Chat, "Hi".into(), true)],
+            choices: vec![ChunkChoice::token(Kind::Chat, "Hi".into(), true, None)],
             usage: None,
         };
         let v = serde_json::to_value(&chunk).expect("json");
@@ -189,7 +206,7 @@ mod tests {
         assert!(v.get("usage").is_none());
         let end = serde_json::to_value(ChunkChoice::finish(Kind::Chat, "stop".into())).expect("json");
         assert_eq!(end, json!({"index": 0, "delta": {}, "finish_reason": "stop"}));
-        let text = serde_json::to_value(Choice::of(Kind::Completion, "x".into(), "length".into())).expect("json");
+        let text = serde_json::to_value(Choice::of(Kind::Completion, "x".into(), "length".into(), None)).expect("json");
         assert_eq!(text, json!({"index": 0, "text": "x", "finish_reason": "length", "logprobs": null}));
         let usage = serde_json::to_value(Usage::new(3, 4, 2)).expect("json");
         assert_eq!(

@@ -26,6 +26,8 @@ fn completion(prompt: &str) -> GenerateParams {
         ignore_eos: false,
         stream: false,
         include_usage: false,
+        logits: LogitParams { logprobs_field: "logprobs", ..LogitParams::default() },
+        user: None,
     }
 }
 
@@ -65,6 +67,17 @@ fn sampling_fields_are_checked_by_name() {
         ("prompt", Box::new(|p| p.input = Input::Prompt("a".repeat(64)))),
         ("messages", Box::new(|p| p.input = Input::Messages(Vec::new()))),
         ("messages", Box::new(|p| p.input = Input::Messages(vec![(Role::User, "hi".into())]))),
+        ("prompt[1]", Box::new(|p| p.input = Input::Tokens(vec![1, 64]))),
+        ("stop_token_ids", Box::new(|p| p.stop_token_ids = vec![99])),
+        ("frequency_penalty", Box::new(|p| p.logits.frequency_penalty = Some(2.5))),
+        ("presence_penalty", Box::new(|p| p.logits.presence_penalty = Some(-2.01))),
+        ("repetition_penalty", Box::new(|p| p.logits.repetition_penalty = Some(0.0))),
+        ("repetition_penalty", Box::new(|p| p.logits.repetition_penalty = Some(3.0))),
+        ("logit_bias", Box::new(|p| p.logits.logit_bias = vec![("64".into(), 1.0)])),
+        ("logit_bias", Box::new(|p| p.logits.logit_bias = vec![("a".into(), 1.0)])),
+        ("logit_bias", Box::new(|p| p.logits.logit_bias = vec![("3".into(), 100.5)])),
+        ("min_tokens", Box::new(|p| (p.max_tokens, p.logits.min_tokens) = (Some(4), Some(5)))),
+        ("logprobs", Box::new(|p| p.logits.logprobs = Some(21))),
     ];
     for (field, change) in cases {
         let mut p = completion("abc");
@@ -104,6 +117,39 @@ fn a_full_request_keeps_every_sampling_field() {
     assert_eq!((r.params.top_k, r.params.seed, r.params.max_tokens, r.params.ignore_eos), (Some(5), 3, 4, true));
     assert_eq!(r.params.stop_strings, vec!["x".to_string()]);
     assert!(r.params.validate().is_ok(), "a valid request is valid for the workers too");
+}
+
+#[test]
+fn penalties_biases_logprobs_and_token_prompts_reach_the_engine_parameters() {
+    let mut p = completion("abc");
+    p.input = Input::Tokens(vec![5, 6, 63]);
+    p.max_tokens = Some(8);
+    p.logits = LogitParams {
+        frequency_penalty: Some(0.5),
+        presence_penalty: Some(-0.25),
+        repetition_penalty: Some(1.3),
+        logit_bias: vec![("9".into(), -100.0), ("2".into(), 4.0)],
+        min_tokens: Some(3),
+        logprobs: Some(20),
+        logprobs_field: "top_logprobs",
+    };
+    let r = validate(p, &text(), "m", &LIMITS).expect("valid");
+    assert_eq!(r.prompt_tokens, vec![5, 6, 63]);
+    let s = &r.params;
+    assert_eq!((s.frequency_penalty, s.presence_penalty, s.repetition_penalty), (0.5, -0.25, 1.3));
+    assert_eq!(s.logit_bias, vec![(2, 4.0), (9, -100.0)]);
+    assert_eq!((s.min_tokens, s.logprobs, s.max_tokens), (3, Some(20), 8));
+    assert!(s.validate().is_ok());
+}
+
+#[test]
+fn a_request_without_a_seed_gets_a_fresh_one_and_a_given_seed_is_kept() {
+    let seeds: std::collections::HashSet<u64> =
+        (0..8).map(|_| validate(completion("abc"), &text(), "m", &LIMITS).expect("valid").params.seed).collect();
+    assert_eq!(seeds.len(), 8, "eight unseeded requests, eight seeds: {seeds:?}");
+    let mut p = completion("abc");
+    p.seed = Some(0);
+    assert_eq!(validate(p, &text(), "m", &LIMITS).expect("valid").params.seed, 0);
 }
 
 #[test]

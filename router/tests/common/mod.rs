@@ -65,7 +65,7 @@ impl FakeDecode {
 }
 
 fn token(id: u32, text: &str) -> Result<pb::DecodeEvent, Status> {
-    let t = pb::TokenEvent { token_id: id, text: text.into(), server_time_unix_nanos: 0 };
+    let t = pb::TokenEvent { token_id: id, text: text.into(), ..Default::default() };
     Ok(pb::DecodeEvent { event: Some(pb::decode_event::Event::Token(t)) })
 }
 
