@@ -10,6 +10,7 @@ echo "test.sh: $(df -h . | awk 'NR == 2 {print $4}') free for target/"
 scripts/install-deps.sh
 scripts/install-deps.sh --check
 scripts/install-k8s-tools.sh
+scripts/install-clients.sh
 scripts/fetch-model.sh
 # Tests and local runs keep UCX on loopback (the code sets these too; this covers child tools).
 export UCX_NET_DEVICES=lo UCX_TLS="${UCX_TLS:-posix,sysv,cma,tcp}"

@@ -89,7 +89,12 @@ async fn greedy_matches_the_engine(cluster: &Cluster, engine: &Engine) {
 
         let request = pb::GenerateRequest {
             messages: vec![pb::ChatMessage { role: "user".into(), content: question.into() }],
-            sampling: Some(pb::SamplingParams { max_tokens: 24, ..Default::default() }),
+            sampling: Some(pb::SamplingParams {
+                max_tokens: 24,
+                logprobs: true,
+                top_logprobs: 2,
+                ..Default::default()
+            }),
             ..Default::default()
         };
         let mut stream = grpc.generate(request).await.expect("generate").into_inner();
@@ -97,7 +102,15 @@ async fn greedy_matches_the_engine(cluster: &Cluster, engine: &Engine) {
         let mut done = None;
         while let Some(message) = stream.message().await.expect("stream") {
             match message.message {
-                Some(pb::generate_response::Message::Token(t)) => tokens.push(t.token_id),
+                Some(pb::generate_response::Message::Token(t)) => {
+                    // Greedy: the token is its position's most likely one (the first token's
+                    // numbers from the prefill worker, the rest from the decode worker).
+                    let l = t.logprobs.as_ref().unwrap_or_else(|| panic!("logprobs of token {}", tokens.len()));
+                    assert_eq!((l.top.len(), l.top[0].token_id), (2, t.token_id), "{l:?}");
+                    assert!((l.logprob - l.top[0].logprob).abs() < 1e-5 && l.logprob <= 0.0, "{l:?}");
+                    assert!(!l.top[1].token.is_empty() && l.top[1].logprob <= l.logprob, "{l:?}");
+                    tokens.push(t.token_id)
+                }
                 Some(pb::generate_response::Message::Done(d)) => done = Some(d),
                 None => {}
             }
@@ -227,7 +240,10 @@ async fn bad_input_gets_the_right_status(cluster: &Cluster) {
         ("/v1/completions", json!({"prompt": "hi", "top_p": 0}), 400, "top_p"),
         ("/v1/completions", json!({"prompt": "hi", "top_p": 1.5}), 400, "top_p"),
         ("/v1/completions", json!({"prompt": "hi", "n": 2}), 400, "n"),
-        ("/v1/completions", json!({"prompt": "hi", "logprobs": 3}), 400, "logprobs"),
+        ("/v1/completions", json!({"prompt": "hi", "logprobs": 21}), 400, "logprobs"),
+        ("/v1/completions", json!({"prompt": [1, 999999]}), 400, "prompt[1]"),
+        ("/v1/completions", json!({"prompt": "hi", "logit_bias": {"999999": 1}}), 400, "logit_bias"),
+        ("/v1/completions", json!({"prompt": "hi", "frequency_penalty": 3}), 400, "frequency_penalty"),
         ("/v1/completions", json!({"prompt": "hi", "model": "gpt-9"}), 404, "model"),
         ("/v1/completions", json!({"prompt": too_big}), 413, ""),
     ];
@@ -294,6 +310,27 @@ async fn two_routers_in_their_own_pid_namespaces_share_the_workers() {
         let first = texts.entry(i % QUESTIONS.len()).or_insert_with(|| text.clone());
         assert_eq!(*first, text, "the same greedy answer through either router");
     }
+    cluster.wait_kv_free(Duration::from_secs(5)).await;
+}
+
+/// The official `openai` Python client against the real cluster: logprobs (chat and
+/// completions, streamed and not), seeds, penalties, logit_bias, min_tokens, token-id
+/// prompts, /tokenize and /detokenize, the caller's request id, and refusals by name
+/// (tests/clients/openai_features.py; scripts/install-clients.sh installs the client).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_official_openai_client_gets_what_it_asks_for() {
+    let cluster = Cluster::start(1).await;
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/openai_features.py");
+    let base = format!("http://{}", cluster.http);
+    let run = tokio::process::Command::new("python3").arg(&script).arg(&base).output();
+    let out = tokio::time::timeout(Duration::from_secs(300), run).await.expect("the client script timed out");
+    let out = out.expect("python3 runs (scripts/install-clients.sh installs the openai client)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("all passed"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     cluster.wait_kv_free(Duration::from_secs(5)).await;
 }
 

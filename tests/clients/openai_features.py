@@ -1,0 +1,126 @@
+"""What clients send, through the official `openai` Python client, against a running pd router.
+
+Usage: python3 tests/clients/openai_features.py http://127.0.0.1:PORT
+Prints one line per check and exits non-zero on the first failure (tests/tests/cluster.rs
+runs it against the real cluster: router, prefill worker, decode worker, real model).
+"""
+
+import json
+import sys
+import urllib.request
+
+import openai
+
+BASE = sys.argv[1].rstrip("/")
+client = openai.OpenAI(base_url=BASE + "/v1", api_key="unused", max_retries=0, timeout=120)
+MODEL = client.models.list().data[0].id
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def post(path, body):
+    req = urllib.request.Request(BASE + path, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.load(r)
+
+
+def check(name, ok, detail=""):
+    if not ok:
+        print(f"FAIL {name}: {detail}")
+        sys.exit(1)
+    print(f"ok   {name}")
+
+
+def chat(**kw):
+    return client.chat.completions.create(model=MODEL, messages=kw.pop("messages", QUESTION), **kw)
+
+
+# Log probabilities: greedy picks the most likely token, so each position's own logprob is
+# its top alternative's; the first comes from the prefill worker, the rest from decode.
+r = chat(max_tokens=12, temperature=0, logprobs=True, top_logprobs=3)
+content = r.choices[0].logprobs.content
+check("chat logprobs: one per token", len(content) == r.usage.completion_tokens, f"{len(content)} vs {r.usage}")
+check("chat logprobs: 3 alternatives each", all(len(c.top_logprobs) == 3 for c in content))
+check(
+    "chat logprobs: greedy takes the top alternative",
+    all(abs(c.logprob - c.top_logprobs[0].logprob) < 1e-5 and c.token == c.top_logprobs[0].token for c in content),
+    [(c.token, c.logprob, c.top_logprobs[0]) for c in content][:3],
+)
+check("chat logprobs: probabilities", all(c.logprob <= 0 for c in content))
+text_bytes = b"".join(bytes(c.bytes) for c in content)
+check("chat logprobs: token bytes spell the text", text_bytes.decode("utf-8", "replace").startswith(r.choices[0].message.content), text_bytes)
+
+streamed, stream_lp = "", []
+for chunk in chat(max_tokens=12, temperature=0, logprobs=True, top_logprobs=3, stream=True):
+    if chunk.choices and chunk.choices[0].delta.content is not None:
+        streamed += chunk.choices[0].delta.content
+    if chunk.choices and chunk.choices[0].logprobs:
+        stream_lp += chunk.choices[0].logprobs.content
+check("streamed chat: same text", streamed == r.choices[0].message.content, (streamed, r.choices[0].message.content))
+check(
+    "streamed chat: same logprobs",
+    len(stream_lp) == len(content) and all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(stream_lp, content)),
+)
+
+c = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2)
+lp = c.choices[0].logprobs
+check("completion logprobs: parallel lists", len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6)
+check("completion logprobs: offsets", lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset))
+
+# Seeds: random without one, repeatable with one.
+def sampled(**kw):
+    return chat(max_tokens=24, temperature=1.0, **kw).choices[0].message.content
+
+a, b = sampled(), sampled()
+check("unseeded requests differ", a != b, (a, b))
+check("a seed repeats", sampled(seed=7) == sampled(seed=7))
+
+# Penalties and biases change the output; min_tokens holds the end back.
+def repeat(**kw):
+    prompt = "1, 1, 1, 1, 1, 1, 1, 1, 1, 1,"
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, **kw).choices[0].text
+
+plain = repeat()
+check("a repetitive prompt repeats", plain.count("1") >= 4, plain)
+for name, kw in [
+    ("frequency_penalty", {"frequency_penalty": 2.0}),
+    ("repetition_penalty (vLLM's)", {"extra_body": {"repetition_penalty": 1.8}}),
+]:
+    changed = repeat(**kw)
+    check(f"{name} breaks the repetition", changed.count("1") < plain.count("1"), (plain, changed))
+# Presence counts a token once: too weak to break this prompt greedily; with the same seed at
+# temperature 1 it still changes what is drawn.
+check("presence_penalty changes a seeded answer", sampled(seed=3) != sampled(seed=3, presence_penalty=2.0))
+first = content[0]
+banned = post("/tokenize", {"prompt": first.token})["tokens"]
+check("/tokenize gives one id for one token", len(banned) == 1, banned)
+other = chat(max_tokens=4, temperature=0, logit_bias={str(banned[0]): -100}, logprobs=True)
+check("logit_bias -100 bans the greedy first token", other.choices[0].logprobs.content[0].token != first.token)
+short = chat(max_tokens=40, temperature=0, extra_body={"min_tokens": 40, "ignore_eos": False})
+check("min_tokens holds the end back", short.usage.completion_tokens == 40 and short.choices[0].finish_reason == "length", short.usage)
+
+# Prompts as token ids; /tokenize and /detokenize; the model's context length.
+ids = post("/tokenize", {"prompt": "The capital of France is"})
+check("/tokenize counts and reports max_model_len", ids["count"] == len(ids["tokens"]) and ids["max_model_len"] > 0)
+by_ids = client.completions.create(model=MODEL, prompt=ids["tokens"], max_tokens=6, temperature=0)
+check("a token-id prompt answers as its text does", by_ids.choices[0].text == c.choices[0].text, (by_ids.choices[0].text, c.choices[0].text))
+check("/detokenize inverts /tokenize", post("/detokenize", {"tokens": ids["tokens"]})["prompt"] == "The capital of France is")
+templated = post("/tokenize", {"messages": QUESTION})
+check("/tokenize renders chat the way chat requests are", templated["count"] == r.usage.prompt_tokens, (templated["count"], r.usage.prompt_tokens))
+
+# The caller's request id is a label; the response id is the router's.
+raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=2, extra_headers={"x-request-id": "my-id"})
+check("the response id is the router's own", raw.parse().id.startswith("req-") and raw.parse().id != "my-id")
+
+# Refused by name, nothing reaches a worker.
+for name, kw, param in [
+    ("n above 1", {"n": 2}, "n"),
+    ("top_logprobs above 20", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("frequency_penalty out of range", {"frequency_penalty": 2.5}, "frequency_penalty"),
+    ("logit_bias outside the vocabulary", {"logit_bias": {"99999999": 1}}, "logit_bias"),
+]:
+    try:
+        chat(max_tokens=2, **kw)
+        check(name, False, "accepted")
+    except openai.BadRequestError as e:
+        check(name + " is a 400 naming the field", param in str(e), str(e))
+print("all passed")
