@@ -244,7 +244,7 @@ impl BatchState {
     /// Joins `a` to the batch. A prefilled sequence streams its first token at once (it may
     /// also finish with it); a bad sampling setup fails the sequence with INVALID_ARGUMENT.
     pub fn admit(&mut self, a: Admission, tokenizer: &Tokenizer, metrics: &DecodeMetrics) {
-        let mut sampler = match Sampler::for_sequence(&a.params, &a.prompt, tokenizer.eos_ids()) {
+        let mut sampler = match Sampler::for_sequence(&a.params, &a.prompt, tokenizer) {
             Ok(s) => s,
             Err(e) => {
                 a.span.error(e.to_string());
@@ -254,7 +254,13 @@ impl BatchState {
         };
         let (phase, first) = match a.start {
             Start::Prefilled { first_token, logprobs } => {
-                sampler.accept(first_token); // the prefill worker sampled the first output position
+                // The prefill worker sampled the first output position.
+                if let Err(e) = sampler.accept(first_token) {
+                    let message = format!("the first token {first_token} does not fit the request: {e}");
+                    a.span.error(message.clone());
+                    let _ = a.events.send(Err(tonic::Status::invalid_argument(message)));
+                    return;
+                }
                 (Phase::Decode { next: first_token }, Some((first_token, logprobs)))
             }
             Start::Prompt { from } => (Phase::Prompt { done: from.min(a.prompt.len()) }, None),

@@ -260,7 +260,7 @@ impl Engine {
         params: &SamplingParams,
         on_token: &mut impl FnMut(&TokenOutput),
     ) -> Result<Generation> {
-        let mut sampler = Sampler::for_sequence(params, &[], self.tokenizer.eos_ids())?;
+        let mut sampler = Sampler::for_sequence(params, &[], &self.tokenizer)?;
         let first = sampler.sample(&logits)?;
         self.decode_loop(kv, first, sampler, params, on_token)
     }
@@ -275,8 +275,8 @@ impl Engine {
         params: &SamplingParams,
         on_token: &mut impl FnMut(&TokenOutput),
     ) -> Result<Generation> {
-        let mut sampler = Sampler::for_sequence(params, &[], self.tokenizer.eos_ids())?;
-        sampler.accept(first_token);
+        let mut sampler = Sampler::for_sequence(params, &[], &self.tokenizer)?;
+        sampler.accept(first_token)?;
         self.decode_loop(kv, first_token, sampler, params, on_token)
     }
 

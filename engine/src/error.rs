@@ -53,6 +53,11 @@ pub enum EngineError {
     /// Sampling parameters out of range.
     #[error("invalid sampling parameters: {0}")]
     InvalidSampling(String),
+
+    /// An output constraint (JSON schema, regex, grammar) that does not compile, or a sequence
+    /// the constraint cannot continue.
+    #[error("output constraint: {0}")]
+    Constraint(String),
     /// Engine settings out of range.
     #[error("invalid engine configuration: {0}")]
     Config(String),

@@ -9,6 +9,7 @@
 mod attention;
 pub mod chat;
 pub mod config;
+pub mod constraint;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod engine;
@@ -27,6 +28,7 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{
     set_compute_threads, CacheConfig, DeviceKind, KvCacheDType, LoadOptions, ModelConfig, RopeStyle, WeightFormat,
 };
+pub use constraint::OutputConstraint;
 pub use engine::{load_model, load_text_side, Engine, Generation, LoadedModel, TextSide};
 pub use error::{EngineError, Result};
 pub use kv::blocks::{BlockAllocation, BlockId, BlockManager};

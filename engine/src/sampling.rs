@@ -20,6 +20,7 @@ use std::collections::{HashMap, HashSet};
 use candle_core::Tensor;
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 
+use crate::constraint::{ConstraintState, Grammars, OutputConstraint};
 use crate::error::{EngineError, Result};
 use crate::tokenizer::Tokenizer;
 
@@ -55,6 +56,8 @@ pub struct SamplingParams {
     /// Log probabilities of each sampled token: None, or Some(k) for the sampled token's and
     /// those of the k most likely tokens (k at most `MAX_TOP_LOGPROBS`).
     pub logprobs: Option<usize>,
+    /// What the output must match (structured output), applied to every output token.
+    pub constraint: Option<OutputConstraint>,
 }
 
 /// Most alternatives per token `logprobs` may ask for (OpenAI's limit).
@@ -78,6 +81,7 @@ impl SamplingParams {
             logit_bias: Vec::new(),
             min_tokens: 0,
             logprobs: None,
+            constraint: None,
         }
     }
 
@@ -156,6 +160,10 @@ pub struct Sampler {
     processing: Option<Processing>,
     /// Alternatives per token to report (None: no log probabilities).
     logprobs: Option<usize>,
+    /// The structured-output matcher, when the output is constrained.
+    constraint: Option<ConstraintState>,
+    /// Ids that end the sequence: stop token ids, and end-of-sequence unless `ignore_eos`.
+    end_ids: Vec<u32>,
 }
 
 impl std::fmt::Debug for Sampler {
@@ -171,8 +179,6 @@ struct Processing {
     presence: f32,
     bias: Vec<(u32, f32)>,
     min_tokens: u64,
-    /// Ids masked before `min_tokens`: end-of-sequence and stop token ids.
-    end_ids: Vec<u32>,
     /// Every token of the prompt and the output (the repetition penalty's set).
     seen: HashSet<u32>,
     /// Output tokens (those sent before a migration included) and how often each came.
@@ -185,10 +191,11 @@ impl Processing {
         *self.counts.entry(token).or_default() += 1;
     }
 
-    /// Processes `logits` for the output token at `index`.
-    fn apply(&self, logits: &mut [f32], index: u64) {
+    /// Processes `logits` for the output token at `index` (`end_ids` masked before
+    /// `min_tokens`).
+    fn apply(&self, logits: &mut [f32], index: u64, end_ids: &[u32]) {
         if index < self.min_tokens {
-            for &id in &self.end_ids {
+            for &id in end_ids {
                 if let Some(l) = logits.get_mut(id as usize) {
                     *l = f32::NEG_INFINITY;
                 }
@@ -232,25 +239,42 @@ pub struct TokenLogprobs {
 }
 
 impl Sampler {
-    /// A sampler with no history (the logit processing sees an empty prompt and no end ids).
+    /// A sampler with no history (the logit processing sees an empty prompt and no end ids);
+    /// a constrained output needs the tokenizer (`for_sequence`).
     pub fn new(params: &SamplingParams) -> Result<Self> {
-        Self::for_sequence(params, &[], &[])
+        if params.constraint.is_some() {
+            return Err(EngineError::InvalidSampling("a constrained output needs the tokenizer".into()));
+        }
+        Self::with_end_ids(params, &[], &[], None)
     }
 
     /// A sampler for a sequence whose context so far is `context` (the prompt; for a migrated
-    /// request its last `output_offset` tokens are output already sent) and whose end tokens
-    /// are `eos_ids` (besides `stop_token_ids`).
-    pub fn for_sequence(params: &SamplingParams, context: &[u32], eos_ids: &[u32]) -> Result<Self> {
+    /// request its last `output_offset` tokens are output already sent, and a constraint
+    /// replays them), ending at `tokenizer`'s end-of-sequence ids besides `stop_token_ids`.
+    pub fn for_sequence(params: &SamplingParams, context: &[u32], tokenizer: &Tokenizer) -> Result<Self> {
+        let grammars = match params.constraint {
+            Some(_) => Some(tokenizer.grammars()?),
+            None => None,
+        };
+        Self::with_end_ids(params, context, tokenizer.eos_ids(), grammars)
+    }
+
+    fn with_end_ids(
+        params: &SamplingParams,
+        context: &[u32],
+        eos_ids: &[u32],
+        grammars: Option<&Grammars>,
+    ) -> Result<Self> {
         params.validate()?;
+        let outputs = &context[context.len().saturating_sub(params.output_offset)..];
+        let mut end_ids: Vec<u32> = params.stop_token_ids.clone();
+        if !params.ignore_eos {
+            end_ids.extend_from_slice(eos_ids);
+        }
         let processing = params.processes_logits().then(|| {
-            let outputs = &context[context.len().saturating_sub(params.output_offset)..];
             let mut counts = HashMap::new();
             for &t in outputs {
                 *counts.entry(t).or_default() += 1;
-            }
-            let mut end_ids: Vec<u32> = params.stop_token_ids.clone();
-            if !params.ignore_eos {
-                end_ids.extend_from_slice(eos_ids);
             }
             Processing {
                 repetition: params.repetition_penalty,
@@ -258,17 +282,31 @@ impl Sampler {
                 presence: params.presence_penalty,
                 bias: params.logit_bias.clone(),
                 min_tokens: params.min_tokens as u64,
-                end_ids,
                 seen: if params.repetition_penalty != 1.0 { context.iter().copied().collect() } else { HashSet::new() },
                 counts,
             }
         });
+        let constraint = match (&params.constraint, grammars) {
+            (None, _) => None,
+            (Some(c), Some(g)) => {
+                let mut state = g.compile(c)?;
+                for &t in outputs {
+                    state.advance(t, &end_ids)?;
+                }
+                Some(state)
+            }
+            (Some(_), None) => {
+                return Err(EngineError::InvalidSampling("a constrained output needs the tokenizer".into()))
+            }
+        };
         Ok(Sampler {
             sampling: params.sampling(),
             seed: params.seed,
             next_index: params.output_offset as u64,
             processing,
             logprobs: params.logprobs,
+            constraint,
+            end_ids,
         })
     }
 
@@ -282,30 +320,44 @@ impl Sampler {
         let index = self.next_index;
         self.next_index += 1;
         let mut processor = LogitsProcessor::from_sampling(step_seed(self.seed, index), self.sampling.clone());
-        if self.processing.is_none() && self.logprobs.is_none() {
+        if self.processing.is_none() && self.logprobs.is_none() && self.constraint.is_none() {
             return Ok(Sampled { token: processor.sample(logits)?, logprobs: None });
         }
         let raw: Vec<f32> = logits.to_dtype(candle_core::DType::F32)?.to_vec1()?;
-        let token = match &self.processing {
-            None => processor.sample(logits)?,
-            Some(p) => {
-                let mut processed = raw.clone();
-                p.apply(&mut processed, index);
-                processor.sample(&Tensor::from_vec(processed, raw.len(), logits.device())?)?
+        let token = if self.processing.is_none() && self.constraint.is_none() {
+            processor.sample(logits)?
+        } else {
+            let mut processed = raw.clone();
+            if let Some(p) = &self.processing {
+                p.apply(&mut processed, index, &self.end_ids);
             }
+            if let Some(c) = &mut self.constraint {
+                c.mask(&mut processed, &self.end_ids)?;
+            }
+            if processed.iter().all(|l| *l == f32::NEG_INFINITY) {
+                return Err(EngineError::Constraint("no token can continue the output".into()));
+            }
+            processor.sample(&Tensor::from_vec(processed, raw.len(), logits.device())?)?
         };
-        if let Some(p) = &mut self.processing {
-            p.record(token);
-        }
+        self.record(token)?;
         Ok(Sampled { token, logprobs: self.logprobs.map(|k| token_logprobs(&raw, token, k)) })
     }
 
-    /// Takes a token sampled elsewhere (a prefill worker's first) as the next output position.
-    pub fn accept(&mut self, token: u32) {
+    /// Takes a token sampled elsewhere (a prefill worker's first) as the next output position;
+    /// an error when the output's constraint does not allow it.
+    pub fn accept(&mut self, token: u32) -> Result<()> {
         self.next_index += 1;
+        self.record(token)
+    }
+
+    fn record(&mut self, token: u32) -> Result<()> {
         if let Some(p) = &mut self.processing {
             p.record(token);
         }
+        if let Some(c) = &mut self.constraint {
+            c.advance(token, &self.end_ids)?;
+        }
+        Ok(())
     }
 }
 
@@ -508,7 +560,7 @@ mod tests {
         let rest: Vec<u32> = (40..64).map(|_| migrated.sample(&logits)).collect::<Result<_>>()?;
         assert_eq!(rest, draws[40..]);
         let mut after_first = Sampler::new(&params)?;
-        after_first.accept(draws[0]);
+        after_first.accept(draws[0])?;
         assert_eq!(after_first.sample(&logits)?, draws[1]);
         Ok(())
     }
@@ -535,7 +587,7 @@ mod tests {
 
     fn draw_with(params: &SamplingParams, context: &[u32], logits: &[f32]) -> Result<Sampled> {
         let logits = Tensor::new(logits, &Device::Cpu)?;
-        Sampler::for_sequence(params, context, &[0])?.draw(&logits)
+        Sampler::with_end_ids(params, context, &[0], None)?.draw(&logits)
     }
 
     #[test]
@@ -565,14 +617,18 @@ mod tests {
     fn min_tokens_masks_end_tokens_until_reached_and_follows_a_migration() -> Result<()> {
         let logits = Tensor::new(&[5.0f32, 1.0, 0.5], &Device::Cpu)?;
         let p = SamplingParams { min_tokens: 2, stop_token_ids: vec![1], ..SamplingParams::greedy(8) };
-        let mut s = Sampler::for_sequence(&p, &[], &[0])?;
+        let mut s = Sampler::with_end_ids(&p, &[], &[0], None)?;
         assert_eq!(s.sample(&logits)?, 2, "eos 0 and stop id 1 masked");
         assert_eq!(s.sample(&logits)?, 2);
         assert_eq!(s.sample(&logits)?, 0, "two tokens out: eos allowed");
         let migrated = SamplingParams { output_offset: 2, ..p.clone() };
-        assert_eq!(Sampler::for_sequence(&migrated, &[9, 2, 2], &[0])?.sample(&logits)?, 0);
+        assert_eq!(Sampler::with_end_ids(&migrated, &[9, 2, 2], &[0], None)?.sample(&logits)?, 0);
         let ignore = SamplingParams { ignore_eos: true, ..p };
-        assert_eq!(Sampler::for_sequence(&ignore, &[], &[0])?.sample(&logits)?, 0, "ignore_eos: eos is no end id");
+        assert_eq!(
+            Sampler::with_end_ids(&ignore, &[], &[0], None)?.sample(&logits)?,
+            0,
+            "ignore_eos: eos is no end id"
+        );
         Ok(())
     }
 

@@ -13,6 +13,7 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::{AddedToken, PreTokenizerWrapper};
 
+use crate::constraint::Grammars;
 use crate::error::{EngineError, Result};
 
 /// GGUF token type of control tokens (`<|im_start|>`, ...).
@@ -27,6 +28,9 @@ pub struct Tokenizer {
     /// Ids that end generation unless the request says otherwise.
     eos_ids: Vec<u32>,
     bos_id: Option<u32>,
+    /// Structured-output compiler for this vocabulary, built on first use and shared by every
+    /// clone (`grammars`).
+    grammars: std::sync::Arc<std::sync::OnceLock<std::result::Result<Grammars, String>>>,
 }
 
 fn tok_err(e: impl std::fmt::Display) -> EngineError {
@@ -85,14 +89,14 @@ impl Tokenizer {
         let id = |key: &str| metadata.get(key).and_then(|v| v.to_u32().ok());
         let eos_ids: Vec<u32> =
             ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"].iter().filter_map(|k| id(k)).collect();
-        Ok(Tokenizer { inner, eos_ids, bos_id: id("tokenizer.ggml.bos_token_id") })
+        Ok(Tokenizer { inner, eos_ids, bos_id: id("tokenizer.ggml.bos_token_id"), grammars: Default::default() })
     }
 
     /// Reads a Hugging Face `tokenizer.json`; `eos_ids` and `bos_id` come from config.json.
     pub fn from_file(path: &Path, eos_ids: Vec<u32>, bos_id: Option<u32>) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))?;
-        Ok(Tokenizer { inner, eos_ids, bos_id })
+        Ok(Tokenizer { inner, eos_ids, bos_id, grammars: Default::default() })
     }
 
     /// Token ids of `text`. Special-token markup in the text (`<|im_start|>`) becomes the
@@ -137,7 +141,7 @@ impl Tokenizer {
 
     /// Wraps an already built `tokenizers` tokenizer.
     pub fn from_inner(inner: tokenizers::Tokenizer, eos_ids: Vec<u32>, bos_id: Option<u32>) -> Self {
-        Tokenizer { inner, eos_ids, bos_id }
+        Tokenizer { inner, eos_ids, bos_id, grammars: Default::default() }
     }
 
     /// A tokenizer of 64 single characters (`a`-`z`, `A`-`Z`, `0`-`7`, space, `.`; `<s>` = 62,
@@ -156,12 +160,20 @@ impl Tokenizer {
         inner
             .add_special_tokens(vec![AddedToken::from("<s>", true), AddedToken::from("</s>", true)])
             .map_err(tok_err)?;
-        Ok(Tokenizer { inner, eos_ids: vec![63], bos_id: Some(62) })
+        Ok(Tokenizer { inner, eos_ids: vec![63], bos_id: Some(62), grammars: Default::default() })
     }
 
     /// The wrapped `tokenizers` tokenizer.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
+    }
+
+    /// The structured-output compiler for this vocabulary (built on first use).
+    pub fn grammars(&self) -> Result<&Grammars> {
+        self.grammars
+            .get_or_init(|| Grammars::new(self).map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|e| EngineError::Constraint(e.clone()))
     }
 
     /// The bytes one token stands for in text (OpenAI's `bytes` of a logprob: a byte-level BPE
@@ -172,7 +184,11 @@ impl Tokenizer {
         if let Some(bytes) = self.id_to_token(id).as_deref().filter(|_| byte_level).and_then(byte_level_bytes) {
             return bytes;
         }
-        self.decode(&[id], false).unwrap_or_default().into_bytes()
+        match self.decode(&[id], false).unwrap_or_default() {
+            // A decoder that drops a lone token's text (a bare space): the vocabulary's own.
+            text if text.is_empty() => self.id_to_token(id).unwrap_or_default().into_bytes(),
+            text => text.into_bytes(),
+        }
     }
 }
 

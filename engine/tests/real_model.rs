@@ -69,6 +69,45 @@ fn tokenizer_matches_llama_cpp_and_round_trips() {
 }
 
 #[test]
+fn constrained_sampling_always_gives_json_that_validates() {
+    // The model's own logits, sampled at temperature 1 under a JSON schema: every seed's
+    // text parses and has the required fields (the constraint, not the model, guarantees it).
+    use pd_engine::{OutputConstraint, Sampler};
+    let engine = engine(WeightFormat::Wq);
+    let tok = engine.tokenizer();
+    let schema = r#"{"type":"object","properties":{"city":{"type":"string","maxLength":16},"year":{"type":"integer","minimum":0,"maximum":3000}},"required":["city","year"],"additionalProperties":false}"#;
+    let prompt = engine.chat_prompt(&[ChatMessage::new("user", "A city and a year, as JSON.")]).expect("prompt");
+    for seed in 0..3 {
+        let params = SamplingParams {
+            temperature: 1.0,
+            seed,
+            constraint: Some(OutputConstraint::JsonSchema(schema.into())),
+            ..SamplingParams::greedy(64)
+        };
+        let mut kv = engine.sequence_with_capacity(prompt.len() + 64).expect("kv");
+        let mut logits = engine.prefill(&mut kv, &prompt, 256).expect("prefill");
+        let mut sampler = Sampler::for_sequence(&params, &prompt, tok).expect("sampler");
+        let mut out = Vec::new();
+        loop {
+            let t = sampler.sample(&logits).expect("sample");
+            if tok.eos_ids().contains(&t) || out.len() == 64 {
+                break;
+            }
+            out.push(t);
+            logits = engine
+                .forward(&mut [BatchSeq { tokens: &[t], kv: &mut kv, want_logits: true }])
+                .expect("step")
+                .squeeze(0)
+                .expect("row");
+        }
+        let text = tok.decode(&out, true).expect("decode");
+        assert!(out.len() < 64, "seed {seed}: the object ends before the limit: {text}");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("seed {seed}: {e}: {text}"));
+        assert!(v["city"].is_string() && v["year"].is_i64(), "seed {seed}: {text}");
+    }
+}
+
+#[test]
 fn chat_template_renders_chatml_with_default_system_prompt() {
     let engine = engine(WeightFormat::F16);
     let template = engine.chat_template().expect("GGUF has a chat template");

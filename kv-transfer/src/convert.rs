@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use pd_engine::{SamplingParams, WireDType};
+use pd_engine::{OutputConstraint, SamplingParams, WireDType};
 use pd_proto::v1 as pb;
 
 use crate::error::TransferError;
@@ -50,6 +50,7 @@ pub fn sampling_from_pb(sampling: Option<&pb::SamplingParams>) -> Result<Samplin
         logit_bias,
         min_tokens: s.min_tokens as usize,
         logprobs: s.logprobs.then_some(s.top_logprobs as usize),
+        constraint: constraint_from_pb(s.constraint.as_ref())?,
     };
     params.validate().map_err(|e| InvalidField::new("sampling", e.to_string()))?;
     Ok(params)
@@ -74,7 +75,35 @@ pub fn sampling_to_pb(params: &SamplingParams) -> pb::SamplingParams {
         min_tokens: params.min_tokens as u32,
         logprobs: params.logprobs.is_some(),
         top_logprobs: params.logprobs.unwrap_or(0) as u32,
+        constraint: params.constraint.as_ref().map(constraint_to_pb),
     }
+}
+
+/// An output constraint from the wire (None when absent; one with no kind set is refused).
+pub fn constraint_from_pb(c: Option<&pb::OutputConstraint>) -> Result<Option<OutputConstraint>, InvalidField> {
+    use pb::output_constraint::Kind;
+    let Some(c) = c else { return Ok(None) };
+    match &c.kind {
+        Some(Kind::JsonSchema(s)) => Ok(Some(OutputConstraint::JsonSchema(s.clone()))),
+        Some(Kind::JsonObject(true)) => Ok(Some(OutputConstraint::JsonObject)),
+        Some(Kind::Regex(r)) => Ok(Some(OutputConstraint::Regex(r.clone()))),
+        Some(Kind::Lark(l)) => Ok(Some(OutputConstraint::Lark(l.clone()))),
+        Some(Kind::JsonObject(false)) | None => {
+            Err(InvalidField::new("sampling.constraint", "names no constraint (set one of its fields)"))
+        }
+    }
+}
+
+/// The wire form of an output constraint.
+pub fn constraint_to_pb(c: &OutputConstraint) -> pb::OutputConstraint {
+    use pb::output_constraint::Kind;
+    let kind = match c {
+        OutputConstraint::JsonSchema(s) => Kind::JsonSchema(s.clone()),
+        OutputConstraint::JsonObject => Kind::JsonObject(true),
+        OutputConstraint::Regex(r) => Kind::Regex(r.clone()),
+        OutputConstraint::Lark(l) => Kind::Lark(l.clone()),
+    };
+    pb::OutputConstraint { kind: Some(kind) }
 }
 
 /// The wire form of a token's log probabilities (token texts are left to the router).
@@ -247,6 +276,7 @@ mod tests {
             logit_bias: vec![(2, -100.0), (7, 1.5)],
             min_tokens: 2,
             logprobs: Some(5),
+            constraint: Some(OutputConstraint::Regex("[a-z]+".into())),
         };
         let back = sampling_from_pb(Some(&sampling_to_pb(&params))).expect("valid");
         assert_eq!(back.top_k, Some(40));
@@ -254,6 +284,7 @@ mod tests {
             (back.seed, back.logit_bias.clone(), back.logprobs, back.min_tokens),
             (11, params.logit_bias.clone(), Some(5), 2)
         );
+        assert_eq!(back.constraint, params.constraint);
         assert_eq!((back.repetition_penalty, back.frequency_penalty, back.presence_penalty), (1.25, 0.5, -0.5));
         assert_eq!(back.stop_strings, params.stop_strings);
         assert!((back.top_p.expect("top_p") - 0.9).abs() < 1e-6);

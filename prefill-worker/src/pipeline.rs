@@ -89,7 +89,8 @@ pub async fn prefill_and_send<S: KvSender>(
     if job.prompt.is_empty() {
         return Err(PrefillError::Invalid("prompt_tokens is empty".into()));
     }
-    pd_engine::Sampler::new(&job.sampling)?;
+    // Checked (and a constraint compiled) before any KV moves.
+    pd_engine::Sampler::for_sequence(&job.sampling, &job.prompt, job.engine.tokenizer())?;
     let bs = job.engine.blocks().block_size();
     if job.ship_from >= job.prompt.len() || !job.ship_from.is_multiple_of(bs) {
         let m = format!("{} cached tokens of a {}-token prompt in {bs}-token blocks", job.ship_from, job.prompt.len());
@@ -168,9 +169,8 @@ async fn sample_and_commit<T: KvTransfer>(
     computed: Computed,
 ) -> Result<PrefillSent, PrefillError> {
     let Computed { finished, waited, compute_started, chunks, layers, last_layer_at, cached } = computed;
-    let eos = job.engine.tokenizer().eos_ids();
-    let sampled =
-        pd_engine::Sampler::for_sequence(&job.sampling, &job.prompt, eos).and_then(|mut s| s.draw(&finished.logits));
+    let sampled = pd_engine::Sampler::for_sequence(&job.sampling, &job.prompt, job.engine.tokenizer())
+        .and_then(|mut s| s.draw(&finished.logits));
     let first = match sampled {
         Ok(t) => t,
         Err(e) => {

@@ -54,7 +54,11 @@ pub fn params_from_pb(req: pb::GenerateRequest) -> Result<GenerateParams, Router
         logprobs: s.logprobs.then_some(s.top_logprobs as u64),
         logprobs_field: "sampling.top_logprobs",
     };
+    let constraint = pd_kv_transfer::convert::constraint_from_pb(s.constraint.as_ref())
+        .map_err(|e| RouterError::invalid(e.field, e.message))?
+        .map(|c| (c, "sampling.constraint"));
     Ok(GenerateParams {
+        constraint,
         kind,
         model: Some(req.model).filter(|m| !m.is_empty()),
         input,

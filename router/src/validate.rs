@@ -3,7 +3,7 @@
 //! the one set of defaults, renders the chat template and tokenizes, giving a `ValidRequest`.
 //! Tokenizing is CPU work: callers run `validate` off the async runtime (`spawn_blocking`).
 
-use pd_engine::{ChatMessage, SamplingParams, TextSide};
+use pd_engine::{ChatMessage, OutputConstraint, SamplingParams, TextSide};
 use serde::Deserialize;
 
 use crate::error::RouterError;
@@ -89,6 +89,8 @@ pub struct GenerateParams {
     pub logits: LogitParams,
     /// OpenAI's `user`: the caller's end-user id, a label on the request's record.
     pub user: Option<String>,
+    /// Structured output, with the field it came from (errors name it).
+    pub constraint: Option<(OutputConstraint, &'static str)>,
 }
 
 /// A request the cluster can run.
@@ -145,7 +147,18 @@ pub fn validate(
             format!("token id {id} is outside the vocabulary of {vocab}"),
         ));
     }
+    let constraint = match p.constraint.take() {
+        None => None,
+        Some((c, field)) => {
+            // Compiled here so a schema the library cannot take is a 400 naming it, before
+            // anything reaches a worker (each worker compiles it again for its sequence).
+            let grammars = text.tokenizer.grammars().map_err(|e| RouterError::invalid(field, e.to_string()))?;
+            grammars.compile(&c).map_err(|e| RouterError::invalid(field, format!("`{field}`: {e}")))?;
+            Some(c)
+        }
+    };
     let params = SamplingParams {
+        constraint,
         temperature: p.temperature.unwrap_or(0.0),
         top_k: p.top_k.map(|k| k as usize),
         top_p: p.top_p.filter(|&t| t < 1.0),

@@ -111,12 +111,48 @@ check("/tokenize renders chat the way chat requests are", templated["count"] == 
 raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=2, extra_headers={"x-request-id": "my-id"})
 check("the response id is the router's own", raw.parse().id.startswith("req-") and raw.parse().id != "my-id")
 
+# Structured output: every token constrained (the prefill worker's first one included), so
+# the text always parses and validates, greedy or sampled, streamed or not.
+from pydantic import BaseModel
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    population: int
+
+
+ask_city = [{"role": "user", "content": "Describe Paris as JSON with its name, country and population."}]
+parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+for temperature in (0.0, 1.0, 1.0):
+    parsed = parse(model=MODEL, messages=ask_city, response_format=City, max_tokens=80, temperature=temperature)
+    city = parsed.choices[0].message.parsed
+    check(f"json_schema via parse() at temperature {temperature}", isinstance(city, City), parsed.choices[0].message.content)
+schema = City.model_json_schema()
+text = ""
+for chunk in chat(messages=ask_city, max_tokens=80, temperature=0, stream=True,
+                  response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}):
+    if chunk.choices and chunk.choices[0].delta.content:
+        text += chunk.choices[0].delta.content
+check("streamed json_schema validates", isinstance(City.model_validate_json(text), City), text)
+obj = chat(messages=ask_city, max_tokens=80, temperature=1.0, response_format={"type": "json_object"}).choices[0].message.content
+check("json_object is a JSON object", isinstance(json.loads(obj), dict), obj)
+choice = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=1.0,
+                                   extra_body={"guided_choice": ["Paris", "London", "Rome"]}).choices[0].text
+check("guided_choice picks one of the choices", choice in ("Paris", "London", "Rome"), choice)
+digits = client.completions.create(model=MODEL, prompt="My phone number is", max_tokens=12, temperature=1.0,
+                                   extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"}).choices[0].text
+import re
+check("guided_regex matches whole", re.fullmatch(r"[0-9]{3}-[0-9]{4}", digits) is not None, digits)
+
 # Refused by name, nothing reaches a worker.
 for name, kw, param in [
     ("n above 1", {"n": 2}, "n"),
     ("top_logprobs above 20", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("frequency_penalty out of range", {"frequency_penalty": 2.5}, "frequency_penalty"),
     ("logit_bias outside the vocabulary", {"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("a schema that does not compile", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}}, "response_format.json_schema.schema"),
+    ("two constraints at once", {"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a+"}}, "guided_regex"),
 ]:
     try:
         chat(max_tokens=2, **kw)

@@ -7,6 +7,7 @@ use serde_json::Value;
 
 use crate::error::RouterError;
 use crate::validate::{GenerateParams, Input, Kind, LogitParams, Role};
+use pd_engine::OutputConstraint;
 
 /// `stop`: a string or a list of strings.
 #[derive(Debug, Deserialize)]
@@ -58,6 +59,34 @@ pub struct OpenAiRequest {
     pub top_logprobs: Option<u64>,
     /// Completions only; only `false` is served.
     pub echo: Option<bool>,
+    /// OpenAI's structured output: `text`, `json_object` or `json_schema`.
+    pub response_format: Option<ResponseFormat>,
+    /// vLLM's structured-output extensions: a JSON schema (object or JSON text), a regex, a
+    /// Lark grammar, or a list of choices.
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_grammar: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+}
+
+/// `response_format`.
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+/// `response_format.json_schema`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JsonSchemaFormat {
+    pub name: String,
+    pub description: Option<String>,
+    pub schema: Option<Value>,
+    /// Accepted: the schema is always enforced token by token, strict or not.
+    pub strict: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -172,6 +201,62 @@ fn logit_bias(map: Option<serde_json::Map<String, Value>>) -> Result<Vec<(String
     entries.collect()
 }
 
+/// The one output constraint a request asks for (at most one of `response_format` other
+/// than `text` and vLLM's `guided_*` fields), with the field it came from.
+fn constraint(c: &mut OpenAiRequest) -> Result<Option<(OutputConstraint, &'static str)>, RouterError> {
+    let mut found: Vec<(OutputConstraint, &'static str)> = Vec::new();
+    match c.response_format.take() {
+        None | Some(ResponseFormat::Text) => {}
+        Some(ResponseFormat::JsonObject) => found.push((OutputConstraint::JsonObject, "response_format")),
+        Some(ResponseFormat::JsonSchema { json_schema }) => {
+            let schema = json_schema.schema.ok_or_else(|| {
+                RouterError::invalid("response_format.json_schema.schema", "`json_schema.schema` is required")
+            })?;
+            found.push((OutputConstraint::JsonSchema(schema.to_string()), "response_format.json_schema.schema"));
+        }
+    }
+    if let Some(schema) = c.guided_json.take() {
+        let text = match schema {
+            Value::String(s) => s,
+            other => other.to_string(),
+        };
+        found.push((OutputConstraint::JsonSchema(text), "guided_json"));
+    }
+    if let Some(rx) = c.guided_regex.take() {
+        found.push((OutputConstraint::Regex(rx), "guided_regex"));
+    }
+    if let Some(lark) = c.guided_grammar.take() {
+        found.push((OutputConstraint::Lark(lark), "guided_grammar"));
+    }
+    if let Some(choices) = c.guided_choice.take() {
+        if choices.is_empty() || choices.iter().any(String::is_empty) {
+            return Err(RouterError::invalid("guided_choice", "`guided_choice` needs non-empty choices"));
+        }
+        let alternatives: Vec<String> = choices.iter().map(|c| regex_escape(c)).collect();
+        found.push((OutputConstraint::Regex(format!("({})", alternatives.join("|"))), "guided_choice"));
+    }
+    if found.len() > 1 {
+        let fields: Vec<&str> = found.iter().map(|(_, f)| *f).collect();
+        return Err(RouterError::invalid(
+            fields[1],
+            format!("set one output constraint, not {}", fields.join(" and ")),
+        ));
+    }
+    Ok(found.pop())
+}
+
+/// `text` as a regex matching itself.
+fn regex_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for ch in text.chars() {
+        if "\\.+*?()|[]{}^$#&-~".contains(ch) {
+            out.push('\\');
+        }
+        out.push(ch);
+    }
+    out
+}
+
 /// Deserializes with the path of the failing field (`messages[0].role`) as the error's param.
 fn typed<T: serde::de::DeserializeOwned>(value: Value) -> Result<T, RouterError> {
     serde_path_to_error::deserialize(value).map_err(|e| {
@@ -191,7 +276,8 @@ fn typed<T: serde::de::DeserializeOwned>(value: Value) -> Result<T, RouterError>
     })
 }
 
-fn params(kind: Kind, input: Input, c: OpenAiRequest) -> Result<GenerateParams, RouterError> {
+fn params(kind: Kind, input: Input, mut c: OpenAiRequest) -> Result<GenerateParams, RouterError> {
+    let constraint = constraint(&mut c)?;
     if c.n.is_some_and(|n| n != 1) {
         return Err(RouterError::invalid("n", "only `n` = 1 is supported yet"));
     }
@@ -231,6 +317,7 @@ fn params(kind: Kind, input: Input, c: OpenAiRequest) -> Result<GenerateParams, 
         include_usage: c.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
         logits,
         user: c.user,
+        constraint,
     })
 }
 

@@ -28,6 +28,7 @@ fn completion(prompt: &str) -> GenerateParams {
         include_usage: false,
         logits: LogitParams { logprobs_field: "logprobs", ..LogitParams::default() },
         user: None,
+        constraint: None,
     }
 }
 
