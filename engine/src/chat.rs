@@ -26,6 +26,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// The template refers to a `tools` variable (renders tool definitions itself).
+    uses_tools: bool,
 }
 
 const NAME: &str = "chat";
@@ -40,12 +42,28 @@ impl ChatTemplate {
         });
         env.add_template_owned(NAME, source.to_string())
             .map_err(|e| EngineError::ChatTemplate(format!("does not compile: {e}")))?;
-        Ok(ChatTemplate { env, bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
+        let uses_tools = source.contains("tools");
+        Ok(ChatTemplate { env, bos_token: bos_token.to_string(), eos_token: eos_token.to_string(), uses_tools })
+    }
+
+    /// Whether the template renders tool definitions itself (its `tools` variable).
+    pub fn uses_tools(&self) -> bool {
+        self.uses_tools
     }
 
     /// The prompt text for `messages`, ending with the assistant's turn opener when
     /// `add_generation_prompt`.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// `render`, with `tools` (OpenAI's tool definitions) as the template's `tools` variable.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         if messages.is_empty() {
             return Err(EngineError::ChatTemplate("no messages to render".into()));
         }
@@ -53,6 +71,7 @@ impl ChatTemplate {
         template
             .render(context! {
                 messages => messages,
+                tools => tools,
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,

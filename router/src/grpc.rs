@@ -75,6 +75,7 @@ pub fn params_from_pb(req: pb::GenerateRequest) -> Result<GenerateParams, Router
         include_usage: true,
         logits,
         user: None,
+        tools: None,
     })
 }
 

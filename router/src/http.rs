@@ -19,7 +19,7 @@ use pd_engine::TextSide;
 
 use crate::api::logprobs::Logprobs;
 use crate::api::request;
-use crate::api::response::{object_name, Choice, Chunk, ChunkChoice, Completion, ModelList, Usage};
+use crate::api::response::{object_name, Choice, Chunk, ChunkChoice, Completion, ModelList, ToolCall, Usage};
 use crate::classes::{Class, CLASS_HEADER};
 use crate::error::RouterError;
 use crate::lifecycle::{self, Updates};
@@ -215,12 +215,18 @@ async fn collect_response(req: ValidRequest, id: String, mut updates: Updates, s
                 text.push_str(&t);
             }
             Ok(Update::Done { finish_reason, prompt_tokens, completion_tokens, cached_tokens }) => {
+                let choice = match req.tools.as_deref().map(|t| crate::tools::parse(&text, t)) {
+                    Some((content, calls)) if !calls.is_empty() => {
+                        Choice::with_tool_calls(content, ToolCall::all(calls, false), logprobs)
+                    }
+                    _ => Choice::of(req.kind, text, finish_reason, logprobs),
+                };
                 return Json(Completion {
                     id,
                     object: object_name(req.kind, false),
                     created: unix_now(),
                     model: req.model,
-                    choices: vec![Choice::of(req.kind, text, finish_reason, logprobs)],
+                    choices: vec![choice],
                     usage: Usage::new(prompt_tokens, completion_tokens, cached_tokens),
                 })
                 .into_response();
@@ -232,7 +238,9 @@ async fn collect_response(req: ValidRequest, id: String, mut updates: Updates, s
 }
 
 /// Server-sent events: a chunk per token, the finish chunk, the usage chunk if asked, then
-/// `[DONE]`; a failure ends the stream with an `error` event instead.
+/// `[DONE]`; a failure ends the stream with an `error` event instead. With tools the answer
+/// is held until it ends (whether it is a call is known only then): one chunk with its text,
+/// or one with its `tool_calls` and `finish_reason: "tool_calls"`.
 fn stream_response(
     req: ValidRequest,
     id: String,
@@ -254,21 +262,43 @@ fn stream_response(
     };
     let mut first = true;
     let mut logprobs = req.params.logprobs.map(|_| Logprobs::new(kind));
+    let tools = req.tools.clone();
+    let mut held = String::new();
     let events = updates.flat_map(move |update| {
         let out: Vec<Event> = match update {
             Ok(Update::Token { token_id, text, logprobs: l }) => {
-                let this = logprobs.as_mut().map(|all| {
-                    if let Some(l) = &l {
-                        all.push(&side.tokenizer, token_id, &text, l);
-                    }
-                    all.take()
-                });
-                let event = chunk(vec![ChunkChoice::token(kind, text, first, this)], None);
-                first = false;
-                vec![event]
+                if let (Some(all), Some(l)) = (logprobs.as_mut(), &l) {
+                    all.push(&side.tokenizer, token_id, &text, l);
+                }
+                if tools.is_some() {
+                    held.push_str(&text);
+                    Vec::new()
+                } else {
+                    let this = logprobs.as_mut().map(Logprobs::take);
+                    let event = chunk(vec![ChunkChoice::token(kind, text, first, this)], None);
+                    first = false;
+                    vec![event]
+                }
             }
-            Ok(Update::Done { finish_reason, prompt_tokens, completion_tokens, cached_tokens }) => {
-                let mut out = vec![chunk(vec![ChunkChoice::finish(kind, finish_reason)], None)];
+            Ok(Update::Done { mut finish_reason, prompt_tokens, completion_tokens, cached_tokens }) => {
+                let mut out = Vec::new();
+                if let Some(tools) = &tools {
+                    let (content, calls) = crate::tools::parse(&std::mem::take(&mut held), tools);
+                    let this = logprobs.as_mut().map(Logprobs::take);
+                    if calls.is_empty() {
+                        out.push(chunk(vec![ChunkChoice::token(kind, content, true, this)], None));
+                    } else {
+                        if !content.trim().is_empty() {
+                            out.push(chunk(vec![ChunkChoice::token(kind, content, true, this)], None));
+                        }
+                        out.push(chunk(
+                            vec![ChunkChoice::tool_calls(ToolCall::all(calls, true), out.is_empty())],
+                            None,
+                        ));
+                        finish_reason = "tool_calls".into();
+                    }
+                }
+                out.push(chunk(vec![ChunkChoice::finish(kind, finish_reason)], None));
                 if include_usage {
                     out.push(chunk(Vec::new(), Some(Usage::new(prompt_tokens, completion_tokens, cached_tokens))));
                 }

@@ -28,6 +28,7 @@ pub mod route;
 pub mod schedule;
 pub mod serve;
 pub mod tenants;
+pub mod tools;
 pub mod updates;
 pub mod validate;
 pub mod workers;

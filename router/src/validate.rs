@@ -7,6 +7,7 @@ use pd_engine::{ChatMessage, OutputConstraint, SamplingParams, TextSide};
 use serde::Deserialize;
 
 use crate::error::RouterError;
+use crate::tools::Tools;
 
 /// Which API shape a request came in (and which defaults apply).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,6 +23,8 @@ pub enum Role {
     System,
     User,
     Assistant,
+    /// A tool's answer to a call (`tool_call_id`).
+    Tool,
 }
 
 impl Role {
@@ -30,9 +33,11 @@ impl Role {
             Role::System => "system",
             Role::User => "user",
             Role::Assistant => "assistant",
+            Role::Tool => "tool",
         }
     }
 
+    /// A role by name; `tool` only over HTTP, where a message can say which call it answers.
     pub fn parse(s: &str) -> Option<Self> {
         [Role::System, Role::User, Role::Assistant].into_iter().find(|r| r.as_str() == s)
     }
@@ -91,6 +96,8 @@ pub struct GenerateParams {
     pub user: Option<String>,
     /// Structured output, with the field it came from (errors name it).
     pub constraint: Option<(OutputConstraint, &'static str)>,
+    /// Chat: the functions the model may call.
+    pub tools: Option<Tools>,
 }
 
 /// A request the cluster can run.
@@ -103,6 +110,8 @@ pub struct ValidRequest {
     pub stream: bool,
     pub include_usage: bool,
     pub user: Option<String>,
+    /// Tools whose calls are parsed out of the answer (`tool_choice` other than `none`).
+    pub tools: Option<std::sync::Arc<Tools>>,
 }
 
 /// Limits the router enforces.
@@ -132,7 +141,7 @@ pub fn validate(
         Some(m) => return Err(RouterError::ModelNotFound(m)),
     };
     check_sampling(&p)?;
-    let (field, prompt_tokens) = tokenize(&p.input, text)?;
+    let (field, prompt_tokens) = tokenize(&p.input, p.tools.as_ref().filter(|t| t.active()), text)?;
     let context = text.max_position;
     if prompt_tokens.len() >= context {
         let message = format!("the prompt has {} tokens; the context length is {context}", prompt_tokens.len());
@@ -173,7 +182,8 @@ pub fn validate(
         ..logits
     };
     let (kind, stream, include_usage, user) = (p.kind, p.stream, p.include_usage, p.user);
-    Ok(ValidRequest { kind, model, prompt_tokens, params, stream, include_usage, user })
+    let tools = p.tools.filter(Tools::active).map(std::sync::Arc::new);
+    Ok(ValidRequest { kind, model, prompt_tokens, params, stream, include_usage, user, tools })
 }
 
 /// A random sampling seed (the operating system's generator).
@@ -271,7 +281,7 @@ fn check_sampling(p: &GenerateParams) -> Result<(), RouterError> {
 }
 
 /// The prompt's tokens, and the field they came from.
-fn tokenize(input: &Input, text: &TextSide) -> Result<(&'static str, Vec<u32>), RouterError> {
+fn tokenize(input: &Input, tools: Option<&Tools>, text: &TextSide) -> Result<(&'static str, Vec<u32>), RouterError> {
     let (field, prompt) = match input {
         Input::Prompt(p) if p.is_empty() => return Err(RouterError::invalid("prompt", "`prompt` must not be empty")),
         Input::Prompt(p) => ("prompt", p.clone()),
@@ -286,7 +296,7 @@ fn tokenize(input: &Input, text: &TextSide) -> Result<(&'static str, Vec<u32>), 
             }
             return Ok(("prompt", ids.clone()));
         }
-        Input::Messages(messages) => ("messages", render_chat(messages, text, true)?),
+        Input::Messages(messages) => ("messages", render_chat(messages, tools, text, true)?),
     };
     let tokens = text.tokenizer.encode(&prompt).map_err(|e| RouterError::invalid(field, e.to_string()))?;
     if tokens.is_empty() {
@@ -295,10 +305,13 @@ fn tokenize(input: &Input, text: &TextSide) -> Result<(&'static str, Vec<u32>), 
     Ok((field, tokens))
 }
 
-/// Chat messages through the model's template (`generation_prompt`: ending with the opening
-/// of the assistant's turn).
+/// Chat messages (and tools) through the model's template (`generation_prompt`: ending with
+/// the opening of the assistant's turn). A template that does not render tools itself gets
+/// the Hermes tool prompt in the system message and `tool` turns as `<tool_response>` user
+/// turns (`tools.rs`).
 pub fn render_chat(
     messages: &[(Role, String)],
+    tools: Option<&Tools>,
     text: &TextSide,
     generation_prompt: bool,
 ) -> Result<String, RouterError> {
@@ -306,8 +319,24 @@ pub fn render_chat(
         .chat_template
         .as_ref()
         .ok_or_else(|| RouterError::invalid("messages", "the model has no chat template"))?;
-    let messages: Vec<ChatMessage> = messages.iter().map(|(r, c)| ChatMessage::new(r.as_str(), c)).collect();
-    template.render(&messages, generation_prompt).map_err(|e| RouterError::invalid("messages", e.to_string()))
+    let native = template.uses_tools();
+    let mut turns: Vec<ChatMessage> = messages
+        .iter()
+        .map(|(role, content)| match (role, native) {
+            (Role::Tool, false) => ChatMessage::new("user", &crate::tools::response_text(content)),
+            (role, _) => ChatMessage::new(role.as_str(), content),
+        })
+        .collect();
+    let listed = tools.map(Tools::as_json);
+    if let (Some(tools), false) = (tools, native) {
+        match turns.first_mut().filter(|m| m.role == "system") {
+            Some(system) => system.content = format!("{}\n\n{}", system.content, tools.system_prompt()),
+            None => turns.insert(0, ChatMessage::new("system", &tools.system_prompt())),
+        }
+    }
+    template
+        .render_with_tools(&turns, listed.as_deref().filter(|_| native), generation_prompt)
+        .map_err(|e| RouterError::invalid("messages", e.to_string()))
 }
 
 /// `max_tokens` as given (checked against the limit and the context left), or the kind's

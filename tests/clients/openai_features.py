@@ -145,6 +145,48 @@ digits = client.completions.create(model=MODEL, prompt="My phone number is", max
 import re
 check("guided_regex matches whole", re.fullmatch(r"[0-9]{3}-[0-9]{4}", digits) is not None, digits)
 
+# Tools: a named function or `required` is enforced by the constraint, so the call always
+# parses and matches the schema; a multi-turn conversation carries the call and its result.
+weather = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+for tool_choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+    r = chat(messages=ask, tools=[weather], tool_choice=tool_choice, max_tokens=60, temperature=0.7, seed=1)
+    calls = r.choices[0].message.tool_calls
+    check(f"tool_choice {tool_choice if isinstance(tool_choice, str) else 'named'} gives a call",
+          r.choices[0].finish_reason == "tool_calls" and len(calls) == 1 and calls[0].function.name == "get_weather", r)
+    args = json.loads(calls[0].function.arguments)
+    check("the call's arguments match the schema", isinstance(args.get("city"), str), args)
+streamed_calls = []
+finish = None
+for chunk in chat(messages=ask, tools=[weather], tool_choice="required", max_tokens=60, temperature=0, stream=True):
+    if chunk.choices and chunk.choices[0].delta.tool_calls:
+        streamed_calls += chunk.choices[0].delta.tool_calls
+    if chunk.choices and chunk.choices[0].finish_reason:
+        finish = chunk.choices[0].finish_reason
+check("streamed tool calls arrive as delta.tool_calls", finish == "tool_calls" and streamed_calls[0].function.name == "get_weather", streamed_calls)
+turns = ask + [
+    {"role": "assistant", "content": None, "tool_calls": [{"id": calls[0].id, "type": "function", "function": {"name": "get_weather", "arguments": calls[0].function.arguments}}]},
+    {"role": "tool", "tool_call_id": calls[0].id, "content": json.dumps({"temperature_c": 21, "sky": "sunny"})},
+]
+final = chat(messages=turns, tools=[weather], tool_choice="none", max_tokens=40, temperature=0)
+check("a tool result turn is answered in text", final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.content, final)
+for name, kw, param in [
+    ("an unknown function in tool_choice", {"tools": [weather], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ("a tool message without tool_call_id", {"messages": ask + [{"role": "tool", "content": "x"}]}, "tool_call_id"),
+]:
+    try:
+        chat(max_tokens=2, **kw)
+        check(name, False, "accepted")
+    except openai.BadRequestError as e:
+        check(name + " is a 400 naming the field", param in str(e), str(e))
+
 # Refused by name, nothing reaches a worker.
 for name, kw, param in [
     ("n above 1", {"n": 2}, "n"),

@@ -9,6 +9,8 @@ use crate::error::RouterError;
 use crate::validate::{GenerateParams, Input, Kind, LogitParams, Role};
 use pd_engine::OutputConstraint;
 
+use crate::tools::{check_name, Function, ToolChoice, Tools};
+
 /// `stop`: a string or a list of strings.
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -67,6 +69,10 @@ pub struct OpenAiRequest {
     pub guided_regex: Option<String>,
     pub guided_grammar: Option<String>,
     pub guided_choice: Option<Vec<String>>,
+    /// Chat only: functions the model may call, and how.
+    pub tools: Option<Vec<ToolSpec>>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// `response_format`.
@@ -93,9 +99,170 @@ pub struct JsonSchemaFormat {
 #[serde(deny_unknown_fields)]
 pub struct Message {
     pub role: Role,
-    pub content: String,
+    /// A string or a list of `text` parts; null in an assistant turn that only calls tools.
+    pub content: Option<Value>,
     /// Accepted for OpenAI compatibility; not used by the chat template.
     pub name: Option<String>,
+    /// An assistant turn's calls (rendered back into the prompt as the model wrote them).
+    pub tool_calls: Option<Vec<ToolCallIn>>,
+    /// A `tool` message answers this call.
+    pub tool_call_id: Option<String>,
+}
+
+/// A tool call in an earlier assistant turn.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolCallIn {
+    pub id: Option<String>,
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+    pub function: FunctionCallIn,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FunctionCallIn {
+    pub name: String,
+    /// JSON text, as OpenAI sends it.
+    pub arguments: String,
+}
+
+/// `tools[i]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolSpec {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionSpec,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FunctionSpec {
+    pub name: String,
+    pub description: Option<String>,
+    pub parameters: Option<Value>,
+    /// Accepted: a required or named call's arguments always follow the schema.
+    pub strict: Option<bool>,
+}
+
+impl Message {
+    /// The message as one turn: its role and text (text parts joined; an assistant's tool
+    /// calls appended as the model writes them), checked for what its role needs.
+    pub fn turn(self, i: usize) -> Result<(Role, String), RouterError> {
+        let field = |f: &str| format!("messages[{i}].{f}");
+        let mut text = match self.content {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s),
+            Some(Value::Array(parts)) => {
+                let mut joined = String::new();
+                for (j, part) in parts.iter().enumerate() {
+                    match (part["type"].as_str(), part["text"].as_str()) {
+                        (Some("text"), Some(t)) => joined.push_str(t),
+                        _ => {
+                            return Err(RouterError::invalid(
+                                &field(&format!("content[{j}]")),
+                                "only `text` content parts are supported",
+                            ))
+                        }
+                    }
+                }
+                Some(joined)
+            }
+            Some(_) => return Err(RouterError::invalid(&field("content"), "`content` must be a string or text parts")),
+        };
+        let calls = self.tool_calls.unwrap_or_default();
+        if !calls.is_empty() && self.role != Role::Assistant {
+            return Err(RouterError::invalid(&field("tool_calls"), "only assistant messages carry `tool_calls`"));
+        }
+        for (j, call) in calls.iter().enumerate() {
+            let f = field(&format!("tool_calls[{j}]"));
+            if call.kind.as_deref().is_some_and(|k| k != "function") {
+                return Err(RouterError::invalid(&format!("{f}.type"), "the only tool type is `function`"));
+            }
+            crate::tools::check_name(&call.function.name, &format!("{f}.function.name"))?;
+            if serde_json::from_str::<Value>(&call.function.arguments).is_err() {
+                return Err(RouterError::invalid(&format!("{f}.function.arguments"), "`arguments` must be JSON text"));
+            }
+            let _ = &call.id;
+            let rendered = crate::tools::call_text(&call.function.name, &call.function.arguments);
+            text = Some(match text {
+                Some(t) if !t.is_empty() => format!("{t}\n{rendered}"),
+                _ => rendered,
+            });
+        }
+        if self.role == Role::Tool && self.tool_call_id.is_none() {
+            return Err(RouterError::invalid(&field("tool_call_id"), "a `tool` message needs `tool_call_id`"));
+        }
+        let text = text.ok_or_else(|| RouterError::invalid(&field("content"), "`content` is required"))?;
+        Ok((self.role, text))
+    }
+}
+
+/// `tools`, `tool_choice` and `parallel_tool_calls` as the request's tools (None without
+/// tools); a choice naming an unknown function is refused.
+fn tools(
+    specs: Option<Vec<ToolSpec>>,
+    choice: Option<Value>,
+    parallel: Option<bool>,
+) -> Result<Option<Tools>, RouterError> {
+    let specs = specs.unwrap_or_default();
+    if specs.is_empty() {
+        return match choice {
+            None => Ok(None),
+            Some(Value::String(s)) if s == "none" => Ok(None),
+            Some(_) => Err(RouterError::invalid("tool_choice", "`tool_choice` needs `tools`")),
+        };
+    }
+    let mut functions = Vec::with_capacity(specs.len());
+    for (i, spec) in specs.into_iter().enumerate() {
+        if spec.kind != "function" {
+            return Err(RouterError::invalid(&format!("tools[{i}].type"), "the only tool type is `function`"));
+        }
+        let f = spec.function;
+        check_name(&f.name, &format!("tools[{i}].function.name"))?;
+        if functions.iter().any(|g: &Function| g.name == f.name) {
+            return Err(RouterError::invalid(
+                &format!("tools[{i}].function.name"),
+                format!("`{}` is listed twice", f.name),
+            ));
+        }
+        let parameters = f.parameters.unwrap_or_else(|| serde_json::json!({"type": "object", "properties": {}}));
+        if !parameters.is_object() {
+            return Err(RouterError::invalid(
+                &format!("tools[{i}].function.parameters"),
+                "`parameters` must be a JSON schema object",
+            ));
+        }
+        functions.push(Function { name: f.name, description: f.description, parameters });
+    }
+    let choice = match choice {
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(RouterError::invalid(
+                    "tool_choice",
+                    format!("`tool_choice` `{other}` is not none, auto or required"),
+                ))
+            }
+        },
+        Some(v) => {
+            let name = v["function"]["name"].as_str().filter(|_| v["type"] == "function").ok_or_else(|| {
+                RouterError::invalid("tool_choice", "`tool_choice` must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}")
+            })?;
+            if !functions.iter().any(|f| f.name == name) {
+                return Err(RouterError::invalid(
+                    "tool_choice",
+                    format!("`tool_choice` names `{name}`, which is not in `tools`"),
+                ));
+            }
+            ToolChoice::Named(name.to_string())
+        }
+    };
+    Ok(Some(Tools { functions, choice, parallel: parallel.unwrap_or(false) }))
 }
 
 /// Decodes a JSON object body into `T`: syntax errors are 400, a body that is not an object
@@ -139,7 +306,8 @@ pub fn decode(kind: Kind, body: &[u8]) -> Result<GenerateParams, RouterError> {
             }
             let messages =
                 r.messages.take().ok_or_else(|| RouterError::invalid("messages", "`messages` is required"))?;
-            Input::Messages(messages.into_iter().map(|m| (m.role, m.content)).collect())
+            let turns = messages.into_iter().enumerate().map(|(i, m)| m.turn(i));
+            Input::Messages(turns.collect::<Result<_, _>>()?)
         }
     };
     params(kind, input, r)
@@ -277,7 +445,21 @@ fn typed<T: serde::de::DeserializeOwned>(value: Value) -> Result<T, RouterError>
 }
 
 fn params(kind: Kind, input: Input, mut c: OpenAiRequest) -> Result<GenerateParams, RouterError> {
-    let constraint = constraint(&mut c)?;
+    if kind == Kind::Completion && (c.tools.is_some() || c.tool_choice.is_some()) {
+        let field = if c.tools.is_some() { "tools" } else { "tool_choice" };
+        return Err(RouterError::invalid(field, format!("`{field}` belongs to /v1/chat/completions")));
+    }
+    let tools = tools(c.tools.take(), c.tool_choice.take(), c.parallel_tool_calls)?;
+    let mut constraint = constraint(&mut c)?;
+    if let Some(forced) = tools.as_ref().and_then(Tools::constraint) {
+        if let Some((_, field)) = constraint {
+            return Err(RouterError::invalid(
+                field,
+                format!("`{field}` and a required tool call cannot both constrain the output"),
+            ));
+        }
+        constraint = Some((forced, "tools"));
+    }
     if c.n.is_some_and(|n| n != 1) {
         return Err(RouterError::invalid("n", "only `n` = 1 is supported yet"));
     }
@@ -318,6 +500,7 @@ fn params(kind: Kind, input: Input, mut c: OpenAiRequest) -> Result<GeneratePara
         logits,
         user: c.user,
         constraint,
+        tools,
     })
 }
 

@@ -33,7 +33,41 @@ impl Usage {
 #[derive(Debug, Clone, Serialize)]
 pub struct AssistantMessage {
     pub role: &'static str,
-    pub content: String,
+    /// Null when the answer is only tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+}
+
+/// One call in `message.tool_calls` (and, with `index`, in a stream's `delta.tool_calls`).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ToolCall {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<u32>,
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct FunctionCall {
+    pub name: String,
+    /// JSON text.
+    pub arguments: String,
+}
+
+impl ToolCall {
+    /// The calls of one answer, each with a fresh id (and its index when streamed).
+    pub fn all(calls: Vec<crate::tools::ParsedCall>, streamed: bool) -> Vec<ToolCall> {
+        let call = |(i, c): (usize, crate::tools::ParsedCall)| ToolCall {
+            index: streamed.then_some(i as u32),
+            id: format!("call_{}", uuid::Uuid::now_v7().simple()),
+            kind: "function",
+            function: FunctionCall { name: c.name, arguments: c.arguments },
+        };
+        calls.into_iter().enumerate().map(call).collect()
+    }
 }
 
 /// One choice of a whole response.
@@ -61,6 +95,8 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
 /// One choice of a stream chunk.
@@ -105,13 +141,20 @@ pub fn object_name(kind: Kind, stream: bool) -> &'static str {
 }
 
 impl Choice {
+    /// A chat answer that called tools: the text before the calls (if any) and the calls.
+    pub fn with_tool_calls(content: String, calls: Vec<ToolCall>, logprobs: Option<Logprobs>) -> Self {
+        let content = Some(content).filter(|c| !c.trim().is_empty());
+        let message = AssistantMessage { role: "assistant", content, tool_calls: Some(calls) };
+        Choice::Message { index: 0, message, finish_reason: "tool_calls".into(), logprobs }
+    }
+
     /// The one choice of a finished generation.
     pub fn of(kind: Kind, text: String, finish_reason: String, logprobs: Option<Logprobs>) -> Self {
         match kind {
             Kind::Completion => Choice::Text { index: 0, text, finish_reason, logprobs },
             Kind::Chat => Choice::Message {
                 index: 0,
-                message: AssistantMessage { role: "assistant", content: text },
+                message: AssistantMessage { role: "assistant", content: Some(text), tool_calls: None },
                 finish_reason,
                 logprobs,
             },
@@ -127,11 +170,17 @@ impl ChunkChoice {
             Kind::Completion => ChunkChoice::Text { index: 0, text, finish_reason: None, logprobs },
             Kind::Chat => ChunkChoice::Delta {
                 index: 0,
-                delta: Delta { role: first.then_some("assistant"), content: Some(text) },
+                delta: Delta { role: first.then_some("assistant"), content: Some(text), tool_calls: None },
                 finish_reason: None,
                 logprobs,
             },
         }
+    }
+
+    /// A chat chunk carrying an answer's tool calls whole.
+    pub fn tool_calls(calls: Vec<ToolCall>, first: bool) -> Self {
+        let delta = Delta { role: first.then_some("assistant"), content: None, tool_calls: Some(calls) };
+        ChunkChoice::Delta { index: 0, delta, finish_reason: None, logprobs: None }
     }
 
     /// The chunk that ends the choice.

@@ -61,8 +61,9 @@ pub fn tokenize(r: TokenizeRequest, text: &TextSide, served: &str) -> Result<Tok
     let (field, prompt) = match (r.prompt, r.messages) {
         (Some(p), None) => ("prompt", p),
         (None, Some(messages)) => {
-            let messages: Vec<(Role, String)> = messages.into_iter().map(|m| (m.role, m.content)).collect();
-            ("messages", render_chat(&messages, text, r.add_generation_prompt.unwrap_or(true))?)
+            let turns = messages.into_iter().enumerate().map(|(i, m)| m.turn(i));
+            let messages: Vec<(Role, String)> = turns.collect::<Result<_, _>>()?;
+            ("messages", render_chat(&messages, None, text, r.add_generation_prompt.unwrap_or(true))?)
         }
         _ => return Err(RouterError::invalid("prompt", "set exactly one of `prompt` and `messages`")),
     };

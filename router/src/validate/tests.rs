@@ -29,6 +29,7 @@ fn completion(prompt: &str) -> GenerateParams {
         logits: LogitParams { logprobs_field: "logprobs", ..LogitParams::default() },
         user: None,
         constraint: None,
+        tools: None,
     }
 }
 
