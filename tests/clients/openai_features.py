@@ -113,29 +113,30 @@ check("the response id is the router's own", raw.parse().id.startswith("req-") a
 
 # Structured output: every token constrained (the prefill worker's first one included), so
 # the text always parses and validates, greedy or sampled, streamed or not.
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class City(BaseModel):
-    name: str
-    country: str
+    # Bounded, so a sampled answer ends well within max_tokens.
+    name: str = Field(max_length=40)
+    country: str = Field(max_length=40)
     population: int
 
 
 ask_city = [{"role": "user", "content": "Describe Paris as JSON with its name, country and population."}]
 parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
-for temperature in (0.0, 1.0, 1.0):
-    parsed = parse(model=MODEL, messages=ask_city, response_format=City, max_tokens=80, temperature=temperature)
+for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2)):
+    parsed = parse(model=MODEL, messages=ask_city, response_format=City, max_tokens=120, temperature=temperature, seed=seed)
     city = parsed.choices[0].message.parsed
     check(f"json_schema via parse() at temperature {temperature}", isinstance(city, City), parsed.choices[0].message.content)
 schema = City.model_json_schema()
 text = ""
-for chunk in chat(messages=ask_city, max_tokens=80, temperature=0, stream=True,
+for chunk in chat(messages=ask_city, max_tokens=120, temperature=0, stream=True,
                   response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}):
     if chunk.choices and chunk.choices[0].delta.content:
         text += chunk.choices[0].delta.content
 check("streamed json_schema validates", isinstance(City.model_validate_json(text), City), text)
-obj = chat(messages=ask_city, max_tokens=80, temperature=1.0, response_format={"type": "json_object"}).choices[0].message.content
+obj = chat(messages=ask_city, max_tokens=200, temperature=0, response_format={"type": "json_object"}).choices[0].message.content
 check("json_object is a JSON object", isinstance(json.loads(obj), dict), obj)
 choice = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=1.0,
                                    extra_body={"guided_choice": ["Paris", "London", "Rome"]}).choices[0].text

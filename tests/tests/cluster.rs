@@ -313,24 +313,29 @@ async fn two_routers_in_their_own_pid_namespaces_share_the_workers() {
     cluster.wait_kv_free(Duration::from_secs(5)).await;
 }
 
-/// The official `openai` Python client against the real cluster: logprobs (chat and
-/// completions, streamed and not), seeds, penalties, logit_bias, min_tokens, token-id
-/// prompts, /tokenize and /detokenize, the caller's request id, and refusals by name
-/// (tests/clients/openai_features.py; scripts/install-clients.sh installs the client).
+/// Client libraries users pick against the real cluster (scripts/install-clients.sh installs
+/// them): the official `openai` Python client for logprobs (chat and completions, streamed
+/// and not), seeds, penalties, logit_bias, min_tokens, token-id prompts, /tokenize and
+/// /detokenize, structured output (`parse()` with a Pydantic model, json_object, vLLM's
+/// guided fields), tools (named, required, streamed, a tool-result turn), the caller's
+/// request id and refusals by name (tests/clients/openai_features.py); then `instructor`
+/// driving a two-turn tool conversation (tests/clients/instructor_agent.py).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_official_openai_client_gets_what_it_asks_for() {
+async fn client_libraries_get_what_they_ask_for() {
     let cluster = Cluster::start(1).await;
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/openai_features.py");
     let base = format!("http://{}", cluster.http);
-    let run = tokio::process::Command::new("python3").arg(&script).arg(&base).output();
-    let out = tokio::time::timeout(Duration::from_secs(300), run).await.expect("the client script timed out");
-    let out = out.expect("python3 runs (scripts/install-clients.sh installs the openai client)");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("all passed"),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    for script in ["openai_features.py", "instructor_agent.py"] {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients").join(script);
+        let run = tokio::process::Command::new("python3").arg(&path).arg(&base).kill_on_drop(true).output();
+        let out = tokio::time::timeout(Duration::from_secs(300), run).await.expect("the client script timed out");
+        let out = out.expect("python3 runs (scripts/install-clients.sh installs the client libraries)");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("all passed"),
+            "{script}:\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     cluster.wait_kv_free(Duration::from_secs(5)).await;
 }
 
