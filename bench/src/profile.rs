@@ -107,7 +107,7 @@ async fn one(
     prompt: Vec<u32>,
     max_tokens: u32,
 ) -> anyhow::Result<Outcome> {
-    let sampling = pb::SamplingParams { max_tokens, ignore_eos: true, ..Default::default() };
+    let sampling = pb::SamplingParams { max_tokens, ignore_eos: true, seed: Some(0), ..Default::default() };
     let request = pb::DecodeRequest {
         request_id: id.clone(),
         prompt_tokens: prompt.clone(),

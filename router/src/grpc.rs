@@ -19,6 +19,9 @@ use crate::record::{client_request_id, Arrival};
 use crate::relay::Update;
 use crate::validate::{GenerateParams, Input, Kind, LogitParams, Role};
 
+/// The public service's full name (what reflection lists and health reports on).
+pub const SERVICE: &str = "pd.v1.Generation";
+
 /// The Generation service.
 #[derive(Debug, Clone)]
 pub struct GenerationService {

@@ -33,6 +33,9 @@ pub mod updates;
 pub mod validate;
 pub mod workers;
 
+/// The gRPC health service's name (grpc.health.v1).
+pub const HEALTH_SERVICE: &str = "grpc.health.v1.Health";
+
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -110,22 +113,38 @@ pub async fn run(
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let drain_state = state.clone();
     let drain_delay = config.drain_delay;
+    let (health, health_service) = tonic_health::server::health_reporter();
+    for name in [grpc::SERVICE, ""] {
+        health.set_service_status(name, tonic_health::ServingStatus::Serving).await;
+    }
     tokio::spawn(async move {
         shutdown.await;
-        // Readiness fails first; the listeners close after the drain delay, and open
-        // streams then run to their end (graceful shutdown of both servers).
+        // Readiness (and gRPC health) fails first; the listeners close after the drain
+        // delay, and open streams then run to their end (graceful shutdown of both servers).
         drain_state.draining.store(true, Ordering::Relaxed);
+        for name in [grpc::SERVICE, ""] {
+            health.set_service_status(name, tonic_health::ServingStatus::NotServing).await;
+        }
         tracing::info!(drain_delay_ms = drain_delay.as_millis() as u64, "shutting down: /ready now fails");
         tokio::time::sleep(drain_delay).await;
         let _ = stop_tx.send(true);
     });
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pd_proto::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
+    // Reflection in both versions (grpcurl and grpcio-reflection 1.85 speak v1alpha), listing
+    // the public services only: the workers' services share the descriptor set but are not
+    // served here.
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pd_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .with_service_name(grpc::SERVICE)
+            .with_service_name(HEALTH_SERVICE)
+    };
     let mut grpc_stop = stop_rx.clone();
     let grpc_server = tonic::transport::Server::builder()
         .add_service(GenerationServer::new(grpc::GenerationService { state: state.clone() }))
-        .add_service(reflection)
+        .add_service(reflection().build_v1()?)
+        .add_service(reflection().build_v1alpha()?)
+        .add_service(health_service)
         .serve_with_incoming_shutdown(pd_proto::nodelay_incoming(grpc), async move {
             let _ = grpc_stop.wait_for(|s| *s).await;
         });

@@ -36,7 +36,7 @@ fn request(id: &str, prompt: usize, max_tokens: u32, lease_ms: u32) -> pb::Decod
     pb::DecodeRequest {
         request_id: id.into(),
         prompt_tokens: vec![7; prompt],
-        sampling: Some(pb::SamplingParams { max_tokens, ..Default::default() }),
+        sampling: Some(pb::SamplingParams { max_tokens, seed: Some(0), ..Default::default() }),
         lease_ms,
         prefill_here: false,
     }

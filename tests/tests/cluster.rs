@@ -51,7 +51,7 @@ async fn reflection_lists_the_generation_service(cluster: &Cluster) {
         .connect()
         .await
         .expect("connect");
-    let mut client = ServerReflectionClient::new(channel);
+    let mut client = ServerReflectionClient::new(channel.clone());
     let request = ServerReflectionRequest {
         host: String::new(),
         message_request: Some(MessageRequest::ListServices(String::new())),
@@ -62,8 +62,35 @@ async fn reflection_lists_the_generation_service(cluster: &Cluster) {
     let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
         panic!("expected a service list, got {:?}", response.message_response);
     };
-    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
-    assert!(names.iter().any(|n| n == "pd.v1.Generation"), "{names:?}");
+    let mut names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    names.sort();
+    // The public port lists only what it serves: not the workers' services.
+    assert_eq!(names, ["grpc.health.v1.Health", "pd.v1.Generation"]);
+
+    // v1alpha too: grpcurl and the official Python grpcio-reflection speak it.
+    use tonic_reflection::pb::v1alpha as alpha;
+    let mut old = alpha::server_reflection_client::ServerReflectionClient::new(channel.clone());
+    let request = alpha::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(alpha::server_reflection_request::MessageRequest::ListServices(String::new())),
+    };
+    let mut responses = old.server_reflection_info(tokio_stream_once(request)).await.expect("v1alpha").into_inner();
+    let response = responses.message().await.expect("reply").expect("one reply");
+    let Some(alpha::server_reflection_response::MessageResponse::ListServicesResponse(list)) =
+        response.message_response
+    else {
+        panic!("expected a v1alpha service list, got {:?}", response.message_response);
+    };
+    assert!(list.service.iter().any(|s| s.name == "pd.v1.Generation"), "{list:?}");
+
+    use tonic_health::pb::health_client::HealthClient;
+    let status = HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest { service: "pd.v1.Generation".into() })
+        .await
+        .expect("health check")
+        .into_inner()
+        .status;
+    assert_eq!(status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
 }
 
 fn tokio_stream_once<T: Send + 'static>(item: T) -> impl futures_util::Stream<Item = T> + Send + 'static {

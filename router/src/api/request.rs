@@ -206,6 +206,9 @@ fn tools(
     choice: Option<Value>,
     parallel: Option<bool>,
 ) -> Result<Option<Tools>, RouterError> {
+    if specs.as_ref().is_some_and(Vec::is_empty) {
+        return Err(RouterError::invalid("tools", "`tools` must list at least one function"));
+    }
     let specs = specs.unwrap_or_default();
     if specs.is_empty() {
         return match choice {
