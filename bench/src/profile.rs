@@ -114,6 +114,7 @@ async fn one(
         sampling: Some(sampling.clone()),
         lease_ms: 120_000,
         prefill_here: false,
+        n: 1,
     };
     let mut stream = decode.generate(request).await?.into_inner();
     let target = match stream.message().await?.and_then(|e| e.event) {

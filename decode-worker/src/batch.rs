@@ -81,6 +81,8 @@ pub struct Received {
 /// A sequence ready to join the batch.
 #[derive(Debug)]
 pub struct Admission {
+    /// Which of the request's answers this is (0 .. n; its events carry it).
+    pub index: u32,
     pub kv: SequenceKv,
     pub start: Start,
     /// The whole prompt (its full blocks join the prefix cache).
@@ -116,6 +118,7 @@ struct Clock {
 
 #[derive(Debug)]
 struct Running {
+    index: u32,
     kv: SequenceKv,
     phase: Phase,
     sampler: Sampler,
@@ -158,6 +161,7 @@ impl Running {
             kv_bytes: self.received.kv_bytes,
             queue_ms: self.clock.queue_ms,
             prefill_ms: self.clock.prefill_ms,
+            index: self.index,
         }))
     }
 
@@ -176,8 +180,13 @@ impl Running {
                 return false;
             }
         };
-        let token_event =
-            pb::TokenEvent { token_id: token, text: out.text_delta, server_time_unix_nanos: now_nanos(), logprobs };
+        let token_event = pb::TokenEvent {
+            token_id: token,
+            text: out.text_delta,
+            server_time_unix_nanos: now_nanos(),
+            logprobs,
+            index: self.index,
+        };
         if self.events.send(event(pb::decode_event::Event::Token(token_event))).is_err() {
             self.span.set("pd.outcome", "cancelled");
             return false; // client gone: free the blocks now
@@ -267,6 +276,7 @@ impl BatchState {
         };
         let now = Instant::now();
         let mut seq = Running {
+            index: a.index,
             tracker: OutputTracker::new(a.params, tokenizer),
             kv: a.kv,
             phase,

@@ -7,7 +7,14 @@
 //! - `admit`: the sequence joins the batch loop, which streams its tokens.
 //!
 //! A prompt prefilled here (`prefill_here`) skips the transfer: `admit_local` reserves and
-//! admits it with its prompt still to run. Spans in the request's trace: `decode.admit` (the
+//! admits it with its prompt still to run.
+//!
+//! Several answers (`n`): the prompt's KV arrives once; answer 0 starts from the prefill
+//! worker's first token, every other answer is a fork of it (`Engine::fork_sequence`: the
+//! prompt's full blocks shared by reference count, the last partial block copied into its
+//! own) that recomputes the prompt's last token to draw its own first one with its own
+//! seed. Every answer's blocks are reserved up front with the prompt's. A prompt prefilled
+//! here runs once per answer (its cached prefix shared). Spans in the request's trace: `decode.admit` (the
 //! reservation), `kv.receive` (header accepted to commit, as measured by the KV registry; a
 //! child of the prefill worker's `kv.send`, whose context came in the transfer header) and
 //! `decode.generate` (in the batch loop). While draining, new requests are refused.
@@ -51,6 +58,8 @@ struct Checked {
     request_id: String,
     prompt: Vec<u32>,
     params: SamplingParams,
+    /// Answers to sample (at least 1).
+    n: usize,
     lease: Duration,
     /// The request's trace context and metric labels.
     parent: Context,
@@ -71,6 +80,8 @@ struct Held {
     cached: usize,
     /// The output's blocks, joined to the prompt's once the KV is committed.
     growth: BlockAllocation,
+    /// Answers 1.. : each one's own blocks, from the prompt's last (partial) block on.
+    forks: Vec<BlockAllocation>,
 }
 
 impl DecodeService {
@@ -101,6 +112,11 @@ impl DecodeService {
             return Err(DecodeError::Invalid("prompt_tokens is empty".into()));
         }
         let params = sampling_from_pb(req.sampling.as_ref())?;
+        let n = req.n.max(1) as usize;
+        if n > self.batcher.max_batch() {
+            let m = format!("n ({n}) exceeds this worker's batch of {} sequences", self.batcher.max_batch());
+            return Err(DecodeError::Invalid(m));
+        }
         let max = self.engine.model().config().max_position;
         let prompt = req.prompt_tokens.len();
         if prompt + params.max_tokens > max {
@@ -112,7 +128,7 @@ impl DecodeService {
         }
         let lease = if req.lease_ms > 0 { Duration::from_millis(req.lease_ms.into()) } else { self.lease };
         let labels = StageLabels::new(class, prompt);
-        Ok(Checked { request_id: req.request_id, prompt: req.prompt_tokens, params, lease, parent, labels })
+        Ok(Checked { request_id: req.request_id, prompt: req.prompt_tokens, params, n, lease, parent, labels })
     }
 
     /// Blocks for the prompt and the whole output (so decoding never runs out of KV): the
@@ -122,6 +138,7 @@ impl DecodeService {
         let blocks = self.engine.blocks();
         let capacity = c.prompt.len() + c.params.max_tokens;
         let (mut prefix, cached) = blocks.allocate_prefix(&c.prompt, capacity).map_err(DecodeError::OutOfBlocks)?;
+        let forks = self.fork_blocks(c)?;
         let growth = prefix.split_off(blocks.blocks_for(c.prompt.len()));
         let suffix = prefix.split_off(cached / blocks.block_size());
         let geometry = geometry_of(&self.engine, self.kv_dtype);
@@ -142,14 +159,24 @@ impl DecodeService {
         };
         let outcome = self.registry.reserve(reservation).map_err(DecodeError::Reservation)?;
         self.metrics.prefix.observe(c.prompt.len(), cached);
-        admit.set("pd.kv.blocks_reserved", blocks.blocks_for(capacity) as i64);
+        let fork_blocks: usize = forks.iter().map(|f| f.ids().len()).sum();
+        admit.set("pd.kv.blocks_reserved", (blocks.blocks_for(capacity) + fork_blocks) as i64);
         admit.set("pd.kv.free_blocks_after", blocks.free_blocks() as i64);
         admit.set("pd.prefix.cached_tokens", cached as i64);
-        Ok(Reserved { target, outcome, held: Held { prefix, cached, growth } })
+        Ok(Reserved { target, outcome, held: Held { prefix, cached, growth, forks } })
+    }
+
+    /// The own blocks of answers 1.. : from the block of the prompt's last position (which a
+    /// fork recomputes) to the end of its output. All or nothing.
+    fn fork_blocks(&self, c: &Checked) -> Result<Vec<BlockAllocation>, DecodeError> {
+        let blocks = self.engine.blocks();
+        let shared = (c.prompt.len() - 1) / blocks.block_size();
+        let own = blocks.blocks_for(c.prompt.len() + c.params.max_tokens) - shared;
+        (1..c.n).map(|_| blocks.allocate(own).map_err(DecodeError::OutOfBlocks)).collect()
     }
 
     /// A prompt that runs here: blocks for prompt and output now (its cached prefix shared),
-    /// no KV target, no transfer.
+    /// no KV target, no transfer; once per answer.
     fn admit_local(
         &self,
         c: Checked,
@@ -157,24 +184,40 @@ impl DecodeService {
         admit: &StageSpan,
     ) -> Result<(), DecodeError> {
         let capacity = c.prompt.len() + c.params.max_tokens;
-        let (kv, cached) = self.engine.sequence_for_prompt(&c.prompt, capacity).map_err(DecodeError::OutOfBlocks)?;
+        let mut answers = Vec::with_capacity(c.n);
+        for _ in 0..c.n {
+            answers.push(self.engine.sequence_for_prompt(&c.prompt, capacity).map_err(DecodeError::OutOfBlocks)?);
+        }
+        let cached = answers[0].1;
         self.metrics.prefix.observe(c.prompt.len(), cached);
         admit.set("pd.prefix.cached_tokens", cached as i64);
+        for (index, (kv, cached)) in answers.into_iter().enumerate() {
+            let span = self.generate_span(&c, index);
+            span.set("pd.prefill_here", true);
+            self.batcher.admit(Admission {
+                index: index as u32,
+                kv,
+                start: Start::Prompt { from: cached },
+                prompt: c.prompt.clone(),
+                params: c.params.for_choice(index),
+                cached_tokens: cached,
+                received: Received::default(),
+                events: events.clone(),
+                span,
+                labels: c.labels.clone(),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// `decode.generate` of answer `index`.
+    fn generate_span(&self, c: &Checked, index: usize) -> StageSpan {
         let span = StageSpan::start("decode.generate", &c.parent);
-        span.set("pd.request_id", c.request_id);
-        span.set("pd.prefill_here", true);
-        let admission = Admission {
-            kv,
-            start: Start::Prompt { from: cached },
-            prompt: c.prompt,
-            params: c.params,
-            cached_tokens: cached,
-            received: Received::default(),
-            events,
-            span,
-            labels: c.labels,
-        };
-        self.batcher.admit(admission)
+        span.set("pd.request_id", c.request_id.clone());
+        if c.n > 1 {
+            span.set("gen_ai.request.choice.index", index as i64);
+        }
+        span
     }
 
     /// Waits for the reservation's KV; None (after telling the stream why) when it will not
@@ -217,7 +260,7 @@ impl DecodeService {
     }
 
     /// Joins a committed sequence (cached prefix, then the shipped rest, then room for the
-    /// output) to the batch; its prompt blocks join the prefix cache.
+    /// output) to the batch; its prompt blocks join the prefix cache. Answers 1.. fork it.
     fn admit(
         &self,
         c: Checked,
@@ -227,27 +270,46 @@ impl DecodeService {
     ) -> Result<(), DecodeError> {
         let received =
             Received { kv_transfer_ms: committed.receive_time.as_secs_f64() * 1e3, kv_bytes: committed.bytes };
-        let Held { mut prefix, cached, growth } = held;
+        let Held { mut prefix, cached, growth, forks } = held;
         let internal = |e: pd_engine::EngineError| DecodeError::Internal(e.to_string());
         prefix.absorb(committed.blocks).map_err(internal)?;
         prefix.absorb(growth).map_err(internal)?;
         let mut kv = SequenceKv::new(prefix);
         kv.commit_len(cached + committed.num_tokens as usize);
         kv.cache_prefix(&c.prompt);
-        let span = StageSpan::start("decode.generate", &c.parent);
-        span.set("pd.request_id", c.request_id);
-        let admission = Admission {
-            kv,
-            start: Start::Prefilled { first_token: committed.first_token, logprobs: committed.first_logprobs },
-            prompt: c.prompt,
-            params: c.params,
-            cached_tokens: cached,
-            received,
-            events,
-            span,
-            labels: c.labels,
-        };
-        self.batcher.admit(admission)
+        let last = c.prompt.len() - 1;
+        let mut admissions = Vec::with_capacity(c.n);
+        for (i, own) in forks.into_iter().enumerate() {
+            let index = i + 1;
+            admissions.push(Admission {
+                index: index as u32,
+                kv: self.engine.fork_sequence(&kv, last, own).map_err(internal)?,
+                start: Start::Prompt { from: last },
+                prompt: c.prompt.clone(),
+                params: c.params.for_choice(index),
+                cached_tokens: cached,
+                received: Received::default(),
+                events: events.clone(),
+                span: self.generate_span(&c, index),
+                labels: c.labels.clone(),
+            });
+        }
+        admissions.insert(
+            0,
+            Admission {
+                index: 0,
+                kv,
+                start: Start::Prefilled { first_token: committed.first_token, logprobs: committed.first_logprobs },
+                prompt: c.prompt.clone(),
+                params: c.params.clone(),
+                cached_tokens: cached,
+                received,
+                events,
+                span: self.generate_span(&c, 0),
+                labels: c.labels.clone(),
+            },
+        );
+        admissions.into_iter().try_for_each(|a| self.batcher.admit(a))
     }
 
     /// The stages after the reservation, on their own task.

@@ -10,7 +10,7 @@ use candle_core::Tensor;
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::config::{CacheConfig, LoadOptions};
 use crate::error::{EngineError, Result};
-use crate::kv::blocks::BlockManager;
+use crate::kv::blocks::{BlockAllocation, BlockManager};
 use crate::kv::cache::{KvCache, SequenceKv};
 use crate::kv::export::{self, WireDType};
 use crate::kv::prefix;
@@ -310,6 +310,13 @@ impl Engine {
     /// before the prefill, e.g. to ship its KV layer by layer).
     pub fn sequence_with_capacity(&self, tokens: usize) -> Result<SequenceKv> {
         Ok(SequenceKv::new(self.blocks.allocate(self.blocks.blocks_for(tokens))?))
+    }
+
+    /// Another sequence over `kv`'s first `valid` positions (its full blocks shared, a partly
+    /// filled one copied) growing into `growth`: one of `n` answers sampled from one prompt.
+    /// `growth` must hold the fork's positions from `valid`'s block on.
+    pub fn fork_sequence(&self, kv: &SequenceKv, valid: usize, growth: BlockAllocation) -> Result<SequenceKv> {
+        kv.fork(&self.cache, valid, growth)
     }
 
     /// `kv`'s K/V for `layers` as bytes.

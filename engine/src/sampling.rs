@@ -85,6 +85,15 @@ impl SamplingParams {
         }
     }
 
+    /// The parameters of answer `index` of several sampled from one prompt (`n`): the same,
+    /// with answer 0's seed unchanged and answer i's seed `seed + i * 0x9E37_79B9_7F4A_7C15`
+    /// (wrapping), so each answer draws its own stream and all of them replay from one seed.
+    pub fn for_choice(&self, index: usize) -> SamplingParams {
+        let mut p = self.clone();
+        p.seed = self.seed.wrapping_add((index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        p
+    }
+
     /// True when the logits are changed before sampling.
     fn processes_logits(&self) -> bool {
         self.repetition_penalty != 1.0

@@ -302,3 +302,42 @@ fn bad_runtime_input_gets_typed_errors_and_leaks_no_blocks() {
     assert!(err.to_string().contains("needs all 2"), "{err}");
     assert_eq!(blocks.free_blocks(), 4, "refused imports hold no blocks");
 }
+
+#[test]
+fn a_forked_sequence_continues_exactly_like_its_parent_and_frees_only_its_own_blocks() {
+    let model = tiny_model(5);
+    let cache = cache_for(&model, 32, 4);
+    let blocks = cache.block_manager();
+    let prompt = tokens(11, 7); // two full blocks and three positions of a third
+    let mut parent = SequenceKv::new(blocks.allocate(4).expect("room for the prompt and one more"));
+    run_alone(&model, &cache, &mut parent, &[&prompt]);
+    let before = blocks.free_blocks();
+
+    // At the whole prompt: the partial third block is copied, the next token's logits agree.
+    let mut fork = parent.fork(&cache, prompt.len(), blocks.allocate(2).expect("own blocks")).expect("fork");
+    assert_eq!(fork.len(), prompt.len());
+    assert_eq!(&fork.blocks().ids()[..2], &parent.blocks().ids()[..2], "full blocks are shared");
+    assert_ne!(fork.blocks().ids()[2], parent.blocks().ids()[2], "the partial block is the fork's own");
+    assert_eq!(blocks.free_blocks(), before - 2, "sharing takes no block");
+    // One position short of the prompt: the fork recomputes the last prompt token itself.
+    let mut short = parent.fork(&cache, prompt.len() - 1, blocks.allocate(2).expect("own blocks")).expect("fork");
+    let from_short = run_alone(&model, &cache, &mut short, &[&prompt[prompt.len() - 1..]]);
+    let from_fork = run_alone(&model, &cache, &mut fork, &[&[3]]);
+    let from_parent = run_alone(&model, &cache, &mut parent, &[&[3]]);
+    assert_eq!(max_diff(&from_fork, &from_parent), 0.0, "a fork sees its parent's K/V exactly");
+    let mut alone = SequenceKv::new(blocks.allocate(3).expect("3"));
+    let prompt_logits = run_alone(&model, &cache, &mut alone, &[&prompt]);
+    assert!(max_diff(&from_short, &prompt_logits) < 1e-4, "the recomputed last token gives the prompt's logits");
+    drop(alone);
+
+    // The parent writing its next position never touched the fork's copy: the fork's own
+    // next step still equals what the parent computed for the same token.
+    let again = run_alone(&model, &cache, &mut short, &[&[3]]);
+    assert!(max_diff(&again, &from_parent) < 1e-4);
+    assert!(parent.fork(&cache, 6, blocks.empty_allocation()).is_err(), "a partial block needs a block to copy into");
+    drop(parent);
+    drop(fork);
+    assert_eq!(blocks.free_blocks(), blocks.total_blocks() - 4, "the shared blocks stay with the last holder");
+    drop(short);
+    assert_eq!(blocks.free_blocks(), blocks.total_blocks(), "every block is back");
+}

@@ -79,32 +79,51 @@ pub fn params_from_pb(req: pb::GenerateRequest) -> Result<GenerateParams, Router
         logits,
         user: None,
         tools: None,
+        n: Some(req.n as u64).filter(|&n| n > 0),
     })
 }
 
-fn response(
-    update: Result<Update, RouterError>,
-    request_id: &str,
-    side: &TextSide,
-) -> Result<pb::GenerateResponse, Status> {
-    use pb::generate_response::Message;
-    let message = match update.map_err(|e| e.to_status())? {
-        Update::Token { token_id, text, logprobs } => Message::Token(pb::GeneratedToken {
-            token_id,
-            text,
-            logprobs: logprobs.map(|l| with_texts(&side.tokenizer, token_id, l)),
-        }),
-        Update::Done { finish_reason, prompt_tokens, completion_tokens, cached_tokens } => {
-            Message::Done(pb::GenerationDone {
-                finish_reason,
-                prompt_tokens,
-                completion_tokens,
-                request_id: request_id.to_string(),
-                cached_tokens,
-            })
-        }
-    };
-    Ok(pb::GenerateResponse { message: Some(message) })
+/// Turns a request's updates into its gRPC messages: `choice_done` per answer when there
+/// are several, `done` (with answer 0's finish reason) at the end.
+struct Responses {
+    request_id: String,
+    side: Arc<TextSide>,
+    n: usize,
+    first_finish: String,
+}
+
+impl Responses {
+    fn next(&mut self, update: Result<Update, RouterError>) -> Option<Result<pb::GenerateResponse, Status>> {
+        use pb::generate_response::Message;
+        let message = match update {
+            Err(e) => return Some(Err(e.to_status())),
+            Ok(Update::Token { index, token_id, text, logprobs }) => Message::Token(pb::GeneratedToken {
+                token_id,
+                text,
+                logprobs: logprobs.map(|l| with_texts(&self.side.tokenizer, token_id, l)),
+                index,
+            }),
+            Ok(Update::Finished { index, finish_reason, completion_tokens }) => {
+                if index == 0 {
+                    self.first_finish = finish_reason.clone();
+                }
+                if self.n == 1 {
+                    return None;
+                }
+                Message::ChoiceDone(pb::ChoiceDone { index, finish_reason, completion_tokens })
+            }
+            Ok(Update::Done { prompt_tokens, completion_tokens, cached_tokens }) => {
+                Message::Done(pb::GenerationDone {
+                    finish_reason: std::mem::take(&mut self.first_finish),
+                    prompt_tokens,
+                    completion_tokens,
+                    request_id: self.request_id.clone(),
+                    cached_tokens,
+                })
+            }
+        };
+        Some(Ok(pb::GenerateResponse { message: Some(message) }))
+    }
 }
 
 #[tonic::async_trait]
@@ -134,7 +153,7 @@ impl Generation for GenerationService {
         let updates = lifecycle::start(self.state.scheduler.clone(), self.state.text.clone(), &valid, class, record)
             .await
             .map_err(|e| e.to_status())?;
-        let side = self.state.text.clone();
-        Ok(Response::new(Box::pin(updates.map(move |u| response(u, &id, &side)))))
+        let mut responses = Responses { request_id: id, side: self.state.text.clone(), n: valid.n, first_finish: String::new() };
+        Ok(Response::new(Box::pin(updates.filter_map(move |u| std::future::ready(responses.next(u))))))
     }
 }

@@ -16,6 +16,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::StreamExt;
 use pd_engine::TextSide;
+use pd_proto::v1 as pb;
 
 use crate::api::logprobs::Logprobs;
 use crate::api::request;
@@ -202,31 +203,71 @@ async fn handle(state: Arc<AppState>, kind: Kind, headers: HeaderMap, body: Body
     }
 }
 
-/// A whole response: every token's text (and log probabilities, when asked), then the usage.
+/// One answer as it builds up.
+struct Answer {
+    text: String,
+    logprobs: Option<Logprobs>,
+    /// Streaming: the role went out with the answer's first chunk.
+    started: bool,
+}
+
+impl Answer {
+    fn new(req: &ValidRequest) -> Self {
+        Answer { text: String::new(), logprobs: req.params.logprobs.map(|_| Logprobs::new(req.kind)), started: false }
+    }
+
+    fn push(&mut self, side: &TextSide, token_id: u32, text: &str, logprobs: Option<&pb::TokenLogprobs>) {
+        if let (Some(all), Some(l)) = (&mut self.logprobs, logprobs) {
+            all.push(&side.tokenizer, token_id, text, l);
+        }
+    }
+}
+
+/// The answers of a request (`n` of them), by index.
+struct Answers(Vec<Answer>);
+
+impl Answers {
+    fn new(req: &ValidRequest) -> Self {
+        Answers((0..req.n).map(|_| Answer::new(req)).collect())
+    }
+
+    /// Answer `index` (the relay checked it against `n`).
+    fn get(&mut self, index: u32) -> &mut Answer {
+        let last = self.0.len() - 1;
+        &mut self.0[(index as usize).min(last)]
+    }
+}
+
+/// A whole response: every answer's text (and log probabilities, when asked), then the usage.
 async fn collect_response(req: ValidRequest, id: String, mut updates: Updates, side: &TextSide) -> Response {
-    let mut text = String::new();
-    let mut logprobs = req.params.logprobs.map(|_| Logprobs::new(req.kind));
+    let mut answers = Answers::new(&req);
+    let mut choices = Vec::with_capacity(req.n);
     while let Some(update) = updates.next().await {
         match update {
-            Ok(Update::Token { token_id, text: t, logprobs: l }) => {
-                if let (Some(all), Some(l)) = (&mut logprobs, &l) {
-                    all.push(&side.tokenizer, token_id, &t, l);
-                }
-                text.push_str(&t);
+            Ok(Update::Token { index, token_id, text: t, logprobs: l }) => {
+                let answer = answers.get(index);
+                answer.push(side, token_id, &t, l.as_ref());
+                answer.text.push_str(&t);
             }
-            Ok(Update::Done { finish_reason, prompt_tokens, completion_tokens, cached_tokens }) => {
+            Ok(Update::Finished { index, finish_reason, .. }) => {
+                let answer = answers.get(index);
+                let (text, logprobs) = (std::mem::take(&mut answer.text), answer.logprobs.take());
                 let choice = match req.tools.as_deref().map(|t| crate::tools::parse(&text, t)) {
                     Some((content, calls)) if !calls.is_empty() => {
                         Choice::with_tool_calls(content, ToolCall::all(calls, false), logprobs)
                     }
                     _ => Choice::of(req.kind, text, finish_reason, logprobs),
                 };
+                choices.push((index, choice.at(index)));
+            }
+            Ok(Update::Done { prompt_tokens, completion_tokens, cached_tokens }) => {
+                choices.sort_by_key(|(index, _)| *index);
                 return Json(Completion {
                     id,
                     object: object_name(req.kind, false),
                     created: unix_now(),
                     model: req.model,
-                    choices: vec![choice],
+                    choices: choices.into_iter().map(|(_, c)| c).collect(),
                     usage: Usage::new(prompt_tokens, completion_tokens, cached_tokens),
                 })
                 .into_response();
@@ -237,10 +278,11 @@ async fn collect_response(req: ValidRequest, id: String, mut updates: Updates, s
     RouterError::Worker { stage: "decode", message: "the stream ended without finishing".into() }.into_response()
 }
 
-/// Server-sent events: a chunk per token, the finish chunk, the usage chunk if asked, then
-/// `[DONE]`; a failure ends the stream with an `error` event instead. With tools the answer
-/// is held until it ends (whether it is a call is known only then): one chunk with its text,
-/// or one with its `tool_calls` and `finish_reason: "tool_calls"`.
+/// Server-sent events: a chunk per token (of answer `index`), each answer's finish chunk,
+/// the usage chunk if asked, then `[DONE]`; a failure ends the stream with an `error` event
+/// instead. With tools an answer is held until it ends (whether it is a call is known only
+/// then): one chunk with its text, or one with its `tool_calls` and `finish_reason:
+/// "tool_calls"`.
 fn stream_response(
     req: ValidRequest,
     id: String,
@@ -249,56 +291,50 @@ fn stream_response(
 ) -> Sse<impl futures_util::Stream<Item = Result<Event, Infallible>>> {
     let created = unix_now();
     let (kind, include_usage) = (req.kind, req.include_usage);
+    let model = req.model.clone();
     let chunk = move |choices: Vec<ChunkChoice>, usage: Option<Usage>| {
-        let chunk = Chunk {
-            id: id.clone(),
-            object: object_name(kind, true),
-            created,
-            model: req.model.clone(),
-            choices,
-            usage,
-        };
+        let chunk =
+            Chunk { id: id.clone(), object: object_name(kind, true), created, model: model.clone(), choices, usage };
         Event::default().data(serde_json::to_string(&chunk).unwrap_or_default())
     };
-    let mut first = true;
-    let mut logprobs = req.params.logprobs.map(|_| Logprobs::new(kind));
+    let mut answers = Answers::new(&req);
     let tools = req.tools.clone();
-    let mut held = String::new();
     let events = updates.flat_map(move |update| {
         let out: Vec<Event> = match update {
-            Ok(Update::Token { token_id, text, logprobs: l }) => {
-                if let (Some(all), Some(l)) = (logprobs.as_mut(), &l) {
-                    all.push(&side.tokenizer, token_id, &text, l);
-                }
+            Ok(Update::Token { index, token_id, text, logprobs: l }) => {
+                let answer = answers.get(index);
+                answer.push(&side, token_id, &text, l.as_ref());
                 if tools.is_some() {
-                    held.push_str(&text);
+                    answer.text.push_str(&text);
                     Vec::new()
                 } else {
-                    let this = logprobs.as_mut().map(Logprobs::take);
-                    let event = chunk(vec![ChunkChoice::token(kind, text, first, this)], None);
-                    first = false;
-                    vec![event]
+                    let this = answer.logprobs.as_mut().map(Logprobs::take);
+                    let first = !std::mem::replace(&mut answer.started, true);
+                    vec![chunk(vec![ChunkChoice::token(kind, text, first, this).at(index)], None)]
                 }
             }
-            Ok(Update::Done { mut finish_reason, prompt_tokens, completion_tokens, cached_tokens }) => {
+            Ok(Update::Finished { index, mut finish_reason, .. }) => {
+                let answer = answers.get(index);
                 let mut out = Vec::new();
                 if let Some(tools) = &tools {
-                    let (content, calls) = crate::tools::parse(&std::mem::take(&mut held), tools);
-                    let this = logprobs.as_mut().map(Logprobs::take);
+                    let (content, calls) = crate::tools::parse(&std::mem::take(&mut answer.text), tools);
+                    let this = answer.logprobs.as_mut().map(Logprobs::take);
                     if calls.is_empty() {
-                        out.push(chunk(vec![ChunkChoice::token(kind, content, true, this)], None));
+                        out.push(chunk(vec![ChunkChoice::token(kind, content, true, this).at(index)], None));
                     } else {
                         if !content.trim().is_empty() {
-                            out.push(chunk(vec![ChunkChoice::token(kind, content, true, this)], None));
+                            out.push(chunk(vec![ChunkChoice::token(kind, content, true, this).at(index)], None));
                         }
-                        out.push(chunk(
-                            vec![ChunkChoice::tool_calls(ToolCall::all(calls, true), out.is_empty())],
-                            None,
-                        ));
+                        let calls = ChunkChoice::tool_calls(ToolCall::all(calls, true), out.is_empty());
+                        out.push(chunk(vec![calls.at(index)], None));
                         finish_reason = "tool_calls".into();
                     }
                 }
-                out.push(chunk(vec![ChunkChoice::finish(kind, finish_reason)], None));
+                out.push(chunk(vec![ChunkChoice::finish(kind, finish_reason).at(index)], None));
+                out
+            }
+            Ok(Update::Done { prompt_tokens, completion_tokens, cached_tokens }) => {
+                let mut out = Vec::new();
                 if include_usage {
                     out.push(chunk(Vec::new(), Some(Usage::new(prompt_tokens, completion_tokens, cached_tokens))));
                 }

@@ -76,6 +76,7 @@ async fn open_decode(
         sampling: Some(sampling_to_pb(&req.params)),
         lease_ms: 0,
         prefill_here,
+        n: req.n as u32,
     };
     let call = route.decode.client.generate(traced(request, record.span().context(), record.class()));
     let mut events = match call.await {
@@ -134,7 +135,8 @@ async fn queue(
     let span = pd_telemetry::StageSpan::start("router.queue", record.span().context());
     span.set("pd.class", class.name.clone());
     let prompt = Arc::new(crate::schedule::Prompt::new(req.prompt_tokens.clone()));
-    let granted = match scheduler.submit(class, prompt, req.params.max_tokens) {
+    // Every answer's output is booked; the prompt once.
+    let granted = match scheduler.submit(class, prompt, req.params.max_tokens * req.n) {
         Ok(pending) => pending.granted().await,
         Err(e) => Err(e),
     };
@@ -193,7 +195,7 @@ async fn open_leg(
         let call = prefill_call(&origin.scheduler, &origin.text, first, t, req, record);
         AbortOnDrop(tokio::spawn(call.run()))
     });
-    let relay = Relay::new(prefill.is_some());
+    let relay = Relay::new(prefill.is_some(), req.n);
     Ok(Leg { events: opened.events, prefill, relay, ticket, prefilled: false, decode, offset })
 }
 
@@ -221,7 +223,16 @@ pub async fn start(
     };
     let (tx, rx) = mpsc::channel(64);
     let last_word = LastWord::default();
-    let task = RelayTask { leg, tx, last_word: last_word.clone(), record, origin, sent: Vec::new(), migrations: 0 };
+    let task = RelayTask {
+        leg,
+        tx,
+        last_word: last_word.clone(),
+        record,
+        origin,
+        sent: Vec::new(),
+        migrations: 0,
+        first_finish: None,
+    };
     tokio::spawn(task.run());
     Ok(Updates::new(rx, last_word))
 }
@@ -234,9 +245,11 @@ struct RelayTask {
     last_word: LastWord,
     record: RequestRecord,
     origin: Origin,
-    /// Token ids sent to the client so far (a migrated leg continues after them).
+    /// Answer 0's token ids sent to the client so far (a migrated leg continues after them).
     sent: Vec<u32>,
     migrations: u32,
+    /// Answer 0's finish reason, when it ended before the others (the record's outcome).
+    first_finish: Option<String>,
 }
 
 /// What the relay loop waited for.
@@ -316,14 +329,25 @@ impl RelayTask {
                     }
                     None => {
                         if let Ok(Some(pb::DecodeEvent { event: Some(Event::Finished(f)) })) = &m {
-                            self.record_decode(f);
+                            if f.index == 0 {
+                                self.record_decode(f);
+                            }
                         }
                         let mut relayed = self.leg.relay.on_decode_event(m);
-                        if let Relayed::Finish(Update::Done { prompt_tokens, completion_tokens, .. }) = &mut relayed {
-                            // A migrated leg's prompt includes the tokens sent before it.
+                        if let Relayed::Finish(updates) = &mut relayed {
+                            // A migrated leg's prompt includes the tokens sent before it
+                            // (only one-answer requests migrate).
                             let offset = self.leg.offset as u32;
-                            *prompt_tokens = prompt_tokens.saturating_sub(offset);
-                            *completion_tokens += offset;
+                            for u in updates {
+                                match u {
+                                    Update::Finished { completion_tokens, .. } => *completion_tokens += offset,
+                                    Update::Done { prompt_tokens, completion_tokens, .. } => {
+                                        *prompt_tokens = prompt_tokens.saturating_sub(offset);
+                                        *completion_tokens += offset;
+                                    }
+                                    Update::Token { .. } => {}
+                                }
+                            }
                         }
                         relayed
                     }
@@ -341,6 +365,10 @@ impl RelayTask {
     async fn migrate(&mut self, reason: &'static str, cause: String) -> Result<Option<Relayed>, RouterError> {
         let from = self.leg.decode.clone();
         let lost = format!("decode worker {from} was lost mid-stream ({cause})");
+        if self.origin.req.n > 1 {
+            // Its answers went different ways: each would need its own leg.
+            return Err(RouterError::Migration(format!("{lost}; a request for several answers (n) does not move")));
+        }
         if self.migrations >= MIGRATION_LIMIT {
             return Err(RouterError::Migration(format!("{lost}; the request already moved {MIGRATION_LIMIT} times")));
         }
@@ -350,13 +378,13 @@ impl RelayTask {
         let (sent, total) = (self.sent.len(), self.origin.req.params.max_tokens);
         if sent >= total {
             // Every token went out; only the end was lost.
+            let end = Update::Finished { index: 0, finish_reason: "length".into(), completion_tokens: sent as u32 };
             let done = Update::Done {
-                finish_reason: "length".into(),
                 prompt_tokens: self.origin.req.prompt_tokens.len() as u32,
                 completion_tokens: sent as u32,
                 cached_tokens: self.record.cached_tokens(),
             };
-            return Ok(Some(Relayed::Finish(done)));
+            return Ok(Some(Relayed::Finish(vec![end, done])));
         }
         self.migrations += 1;
         self.record.metrics().migrations.with_label_values(&[reason]).inc();
@@ -405,9 +433,15 @@ impl RelayTask {
         match relayed {
             Relayed::Skip => true,
             Relayed::Send(update) => {
-                if let Update::Token { token_id, text, .. } = &update {
-                    self.sent.push(*token_id);
-                    self.record.token(text);
+                match &update {
+                    Update::Token { index, token_id, text, .. } => {
+                        if *index == 0 {
+                            self.sent.push(*token_id);
+                        }
+                        self.record.token(text);
+                    }
+                    Update::Finished { index: 0, finish_reason, .. } => self.first_finish = Some(finish_reason.clone()),
+                    _ => {}
                 }
                 let timeout = self.origin.scheduler.config.client_send_timeout;
                 match tokio::time::timeout(timeout, self.tx.send(Ok(update))).await {
@@ -424,16 +458,19 @@ impl RelayTask {
                     }
                 }
             }
-            Relayed::Finish(mut update) => {
+            Relayed::Finish(updates) => {
                 self.await_prefill_record().await;
-                if let Update::Done { cached_tokens, .. } = &mut update {
-                    *cached_tokens = (*cached_tokens).max(self.record.cached_tokens());
+                let mut reason = self.first_finish.take().unwrap_or_default();
+                for mut update in updates {
+                    match &mut update {
+                        Update::Done { cached_tokens, .. } => {
+                            *cached_tokens = (*cached_tokens).max(self.record.cached_tokens())
+                        }
+                        Update::Finished { index: 0, finish_reason, .. } => reason = finish_reason.clone(),
+                        _ => {}
+                    }
+                    let _ = self.tx.send(Ok(update)).await;
                 }
-                let reason = match &update {
-                    Update::Done { finish_reason, .. } => finish_reason.clone(),
-                    Update::Token { .. } => String::new(),
-                };
-                let _ = self.tx.send(Ok(update)).await;
                 self.record.finish(&reason);
                 false
             }

@@ -79,6 +79,10 @@ struct Args {
     /// Largest `max_tokens` accepted.
     #[arg(long, default_value_t = 4096)]
     max_tokens: u32,
+    /// Largest `n` (answers per request, sharing one prefill) accepted; keep it at most the
+    /// decode workers' --max-batch.
+    #[arg(long, env = "PD_MAX_N", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    max_n: u32,
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 1 << 20)]
     body_limit: usize,
@@ -123,6 +127,7 @@ async fn main() -> anyhow::Result<()> {
             max_tokens: args.max_tokens,
             default_completion_tokens: 16,
             default_chat_tokens: 512,
+            max_n: args.max_n,
         },
         body_limit: args.body_limit,
         drain_delay: std::time::Duration::from_millis(args.drain_delay_ms),

@@ -77,7 +77,7 @@ mod tests {
     use super::*;
 
     fn token(id: u32) -> Result<Update, RouterError> {
-        Ok(Update::Token { token_id: id, text: String::new(), logprobs: None })
+        Ok(Update::Token { index: 0, token_id: id, text: String::new(), logprobs: None })
     }
 
     #[tokio::test]
@@ -99,8 +99,7 @@ mod tests {
         assert!(matches!(got.as_slice(), [Err(RouterError::Worker { stage: "relay", .. })]), "{got:?}");
 
         let (tx, rx) = mpsc::channel(4);
-        let done =
-            Update::Done { finish_reason: "stop".into(), prompt_tokens: 1, completion_tokens: 1, cached_tokens: 0 };
+        let done = Update::Done { prompt_tokens: 1, completion_tokens: 1, cached_tokens: 0 };
         tx.send(Ok(done.clone())).await.expect("send");
         drop(tx);
         let got: Vec<_> = Updates::new(rx, LastWord::default()).collect().await;

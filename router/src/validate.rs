@@ -98,6 +98,8 @@ pub struct GenerateParams {
     pub constraint: Option<(OutputConstraint, &'static str)>,
     /// Chat: the functions the model may call.
     pub tools: Option<Tools>,
+    /// Answers to sample from the prompt (None: one), with the field it came from.
+    pub n: Option<u64>,
 }
 
 /// A request the cluster can run.
@@ -112,6 +114,8 @@ pub struct ValidRequest {
     pub user: Option<String>,
     /// Tools whose calls are parsed out of the answer (`tool_choice` other than `none`).
     pub tools: Option<std::sync::Arc<Tools>>,
+    /// Answers sampled from the prompt (at least 1): one prefill, the prompt's KV shared.
+    pub n: usize,
 }
 
 /// Limits the router enforces.
@@ -123,6 +127,8 @@ pub struct Limits {
     pub default_completion_tokens: u32,
     /// `max_tokens` when a chat request gives none.
     pub default_chat_tokens: u32,
+    /// Largest `n` accepted.
+    pub max_n: u32,
 }
 
 /// Most stop sequences per request (OpenAI's limit).
@@ -141,6 +147,14 @@ pub fn validate(
         Some(m) => return Err(RouterError::ModelNotFound(m)),
     };
     check_sampling(&p)?;
+    let n = match p.n {
+        None => 1,
+        Some(0) => return Err(RouterError::invalid("n", "`n` must be at least 1")),
+        Some(n) if n > limits.max_n as u64 => {
+            return Err(RouterError::invalid("n", format!("`n` is {n}; this server allows at most {}", limits.max_n)))
+        }
+        Some(n) => n as usize,
+    };
     let (field, prompt_tokens) = tokenize(&p.input, p.tools.as_ref().filter(|t| t.active()), text)?;
     let context = text.max_position;
     if prompt_tokens.len() >= context {
@@ -183,7 +197,7 @@ pub fn validate(
     };
     let (kind, stream, include_usage, user) = (p.kind, p.stream, p.include_usage, p.user);
     let tools = p.tools.filter(Tools::active).map(std::sync::Arc::new);
-    Ok(ValidRequest { kind, model, prompt_tokens, params, stream, include_usage, user, tools })
+    Ok(ValidRequest { kind, model, prompt_tokens, params, stream, include_usage, user, tools, n })
 }
 
 /// A random sampling seed (the operating system's generator).

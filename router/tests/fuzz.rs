@@ -12,7 +12,7 @@ use pd_router::validate::{validate, Kind, Limits};
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 
-const LIMITS: Limits = Limits { max_tokens: 40, default_completion_tokens: 16, default_chat_tokens: 512 };
+const LIMITS: Limits = Limits { max_tokens: 40, default_completion_tokens: 16, default_chat_tokens: 512, max_n: 4 };
 
 fn text() -> TextSide {
     TextSide { tokenizer: Tokenizer::characters().expect("tokenizer"), chat_template: None, max_position: 64 }

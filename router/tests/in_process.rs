@@ -136,7 +136,7 @@ async fn no_reachable_worker_is_503_and_not_ready() {
             decode_workers: config_decode,
             classes: pd_router::classes::Classes::load(None).expect("classes"),
             schedule: pd_router::schedule::ScheduleConfig::default(),
-            limits: pd_router::Limits { max_tokens: 64, default_completion_tokens: 16, default_chat_tokens: 64 },
+            limits: pd_router::Limits { max_tokens: 64, default_completion_tokens: 16, default_chat_tokens: 64, max_n: 8 },
             body_limit: 1 << 20,
             drain_delay: Duration::ZERO,
             tls: None,
@@ -279,6 +279,7 @@ async fn grpc_generate_streams_the_same_tokens_and_names_the_request() {
         match m.message {
             Some(pb::generate_response::Message::Token(t)) => texts.push(t.text),
             Some(pb::generate_response::Message::Done(d)) => done = Some(d),
+            Some(pb::generate_response::Message::ChoiceDone(c)) => panic!("one answer has no choice_done: {c:?}"),
             None => {}
         }
     }
@@ -399,7 +400,7 @@ const HTTP_CASES: &[(&str, &str, &str, u16, Option<&str>)] = &[
     (
         "/v1/chat/completions",
         "application/json",
-        r#"{"messages":[{"role":"user","content":"x"}],"n":2}"#,
+        r#"{"messages":[{"role":"user","content":"x"}],"n":9}"#,
         400,
         Some("n"),
     ),

@@ -85,7 +85,7 @@ fn now_nanos() -> u64 {
 }
 
 fn token(id: u32, text: &str) -> pb::DecodeEvent {
-    let t = pb::TokenEvent { token_id: id, text: text.into(), server_time_unix_nanos: now_nanos(), logprobs: None };
+    let t = pb::TokenEvent { token_id: id, text: text.into(), server_time_unix_nanos: now_nanos(), logprobs: None, index: 0 };
     pb::DecodeEvent { event: Some(pb::decode_event::Event::Token(t)) }
 }
 
@@ -144,6 +144,9 @@ impl SimDecode {
         }
         if req.prompt_tokens.is_empty() {
             return Err(Status::invalid_argument("prompt_tokens is empty"));
+        }
+        if req.n > 1 {
+            return Err(Status::invalid_argument("n: the simulated decode worker serves one answer per request"));
         }
         let max_tokens = req.sampling.as_ref().map(|s| s.max_tokens).unwrap_or(0);
         if max_tokens == 0 {
@@ -318,6 +321,7 @@ fn step_one(q: &mut Seq, budget: &mut usize, ms: f64) {
 fn finished(q: &Seq) -> pb::DecodeEvent {
     let decode_ms = q.first_at.map(|t| t.elapsed().as_secs_f64() * 1e3).unwrap_or(0.0);
     let f = pb::Finished {
+        index: 0,
         finish_reason: "length".into(),
         prompt_tokens: q.prompt as u32,
         completion_tokens: q.generated,

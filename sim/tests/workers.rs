@@ -39,6 +39,7 @@ fn request(id: &str, prompt: usize, max_tokens: u32, lease_ms: u32) -> pb::Decod
         sampling: Some(pb::SamplingParams { max_tokens, seed: Some(0), ..Default::default() }),
         lease_ms,
         prefill_here: false,
+        n: 1,
     }
 }
 

@@ -188,9 +188,33 @@ for name, kw, param in [
     except openai.BadRequestError as e:
         check(name + " is a 400 naming the field", param in str(e), str(e))
 
+# n answers from one prefill (the prompt's KV shipped once, shared on the decode worker):
+# greedy answers all equal the single answer, sampled ones differ and replay from the seed,
+# streamed ones arrive by index; the prompt is counted once.
+one = chat(max_tokens=12, temperature=0)
+many = chat(max_tokens=12, temperature=0, n=3)
+check("n=3: choices by index", [c.index for c in many.choices] == [0, 1, 2], many.choices)
+check("n=3 greedy: each equals the single answer", all(c.message.content == one.choices[0].message.content for c in many.choices), many.choices)
+check("n=3: the prompt counted once", many.usage.prompt_tokens == one.usage.prompt_tokens and many.usage.completion_tokens == 3 * one.usage.completion_tokens, many.usage)
+seeded = [c.message.content for c in chat(max_tokens=24, temperature=1.0, n=4, seed=11).choices]
+check("n=4 sampled: the answers differ", len(set(seeded)) >= 3, seeded)
+check("n=4 sampled: a seed repeats every answer", [c.message.content for c in chat(max_tokens=24, temperature=1.0, n=4, seed=11).choices] == seeded)
+by_index, finishes, usage = {}, {}, None
+for chunk in chat(max_tokens=24, temperature=1.0, n=4, seed=11, stream=True, stream_options={"include_usage": True}):
+    for ch in chunk.choices:
+        by_index[ch.index] = by_index.get(ch.index, "") + (ch.delta.content or "")
+        if ch.finish_reason:
+            finishes[ch.index] = ch.finish_reason
+    usage = chunk.usage or usage
+check("n=4 streamed: the same answers by index", [by_index.get(i) for i in range(4)] == seeded, by_index)
+check("n=4 streamed: every answer finishes", sorted(finishes) == [0, 1, 2, 3], finishes)
+check("n=4 streamed: usage counts every answer", usage is not None and usage.completion_tokens >= 4, usage)
+texts = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0.8, n=2, seed=3, logprobs=1)
+check("completions n=2 with logprobs", len(texts.choices) == 2 and all(len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) > 0 for c in texts.choices), texts)
+
 # Refused by name, nothing reaches a worker.
 for name, kw, param in [
-    ("n above 1", {"n": 2}, "n"),
+    ("n above the router's maximum", {"n": 99}, "n"),
     ("top_logprobs above 20", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("frequency_penalty out of range", {"frequency_penalty": 2.5}, "frequency_penalty"),
     ("logit_bias outside the vocabulary", {"logit_bias": {"99999999": 1}}, "logit_bias"),

@@ -171,6 +171,9 @@ async fn generate(grpc: &str, req: pb::GenerateRequest) -> Result<Vec<u32>, toni
             Some(pb::generate_response::Message::Done(d)) => {
                 done = d.completion_tokens as usize == tokens.len();
             }
+            Some(pb::generate_response::Message::ChoiceDone(c)) => {
+                return Err(tonic::Status::data_loss(format!("one answer has no choice_done: {c:?}")));
+            }
             None => {}
         }
     }

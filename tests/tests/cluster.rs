@@ -139,6 +139,7 @@ async fn greedy_matches_the_engine(cluster: &Cluster, engine: &Engine) {
                     tokens.push(t.token_id)
                 }
                 Some(pb::generate_response::Message::Done(d)) => done = Some(d),
+                Some(pb::generate_response::Message::ChoiceDone(c)) => panic!("one answer has no choice_done: {c:?}"),
                 None => {}
             }
         }
@@ -266,7 +267,7 @@ async fn bad_input_gets_the_right_status(cluster: &Cluster) {
         ("/v1/completions", json!({"prompt": "hi", "temperature": -1}), 400, "temperature"),
         ("/v1/completions", json!({"prompt": "hi", "top_p": 0}), 400, "top_p"),
         ("/v1/completions", json!({"prompt": "hi", "top_p": 1.5}), 400, "top_p"),
-        ("/v1/completions", json!({"prompt": "hi", "n": 2}), 400, "n"),
+        ("/v1/completions", json!({"prompt": "hi", "n": 99}), 400, "n"),
         ("/v1/completions", json!({"prompt": "hi", "logprobs": 21}), 400, "logprobs"),
         ("/v1/completions", json!({"prompt": [1, 999999]}), 400, "prompt[1]"),
         ("/v1/completions", json!({"prompt": "hi", "logit_bias": {"999999": 1}}), 400, "logit_bias"),

@@ -117,6 +117,7 @@ async fn generate(
         match message.message {
             Some(pb::generate_response::Message::Token(t)) => tokens.push(t.token_id),
             Some(pb::generate_response::Message::Done(d)) => done = Some(d),
+            Some(pb::generate_response::Message::ChoiceDone(c)) => panic!("one answer has no choice_done: {c:?}"),
             None => {}
         }
         if killed.is_none() && Some(tokens.len()) == kill_after {

@@ -46,6 +46,7 @@ impl Fixture {
         let prompt_tokens = prompt.len();
         let kv = SequenceKv::new(self.blocks.allocate(2).expect("blocks"));
         let a = Admission {
+            index: 0,
             kv,
             start,
             prompt,

@@ -351,6 +351,20 @@ impl BlockAllocation {
         BlockAllocation { ids: self.ids.split_off(at), hashes: Vec::new(), manager: self.manager.clone() }
     }
 
+    /// A new allocation holding one more reference on each of the first `blocks` blocks (at
+    /// most all of them): the shared, read-only prompt of `n` sequences sampled from one
+    /// prefill. Its blocks return to the pool when the last holder lets go.
+    pub fn share_prefix(&self, blocks: usize) -> BlockAllocation {
+        let ids = self.ids[..blocks.min(self.ids.len())].to_vec();
+        let mut pool = self.manager.lock();
+        for &id in &ids {
+            pool.hold(id);
+        }
+        drop(pool);
+        let hashes = self.hashes[..self.hashes.len().min(ids.len())].to_vec();
+        BlockAllocation { ids, hashes, manager: self.manager.clone() }
+    }
+
     /// Offers the full blocks holding `tokens` (positions 0.., all computed) to the prefix
     /// cache of this allocation's pool (`BlockManager::register`).
     pub fn register(&mut self, tokens: &[u32]) {

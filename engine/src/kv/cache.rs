@@ -94,6 +94,27 @@ impl KvCache {
         Ok(())
     }
 
+    /// Copies the K/V of slots `from` to slots `to` (same length) in every layer, as stored.
+    pub(crate) fn copy_slots(&self, from: &[u32], to: &[u32]) -> Result<()> {
+        if from.len() != to.len() {
+            return Err(EngineError::InvalidBatch(format!("copy of {} slots into {}", from.len(), to.len())));
+        }
+        if from.is_empty() {
+            return Ok(());
+        }
+        let (k0, _) = &self.layers[0];
+        let device = k0.device();
+        let n = from.len();
+        let source = Tensor::from_vec(from.to_vec(), n, device)?;
+        let index: Vec<u32> = to.iter().flat_map(|&s| std::iter::repeat_n(s, self.kv_width)).collect();
+        let index = Tensor::from_vec(index, (n, self.kv_width), device)?;
+        for layer in 0..self.layers.len() {
+            let (k, v) = self.gather_stored(layer, &source)?;
+            self.write(layer, &index, &k, &v)?;
+        }
+        Ok(())
+    }
+
     /// Rows of K and V at `slots` (`[n]` u32), each `[n, kv_width]` f32.
     pub(crate) fn gather(&self, layer: usize, slots: &Tensor) -> Result<(Tensor, Tensor)> {
         let (k_cache, v_cache) = &self.layers[layer];
@@ -248,6 +269,28 @@ impl SequenceKv {
     pub fn cache_prefix(&mut self, tokens: &[u32]) {
         let valid = tokens.len().min(self.len);
         self.blocks.register(&tokens[..valid]);
+    }
+
+    /// A second sequence with the same first `valid` positions (at most `len()`) that writes
+    /// its own from there on: the full blocks before `valid` are shared with this one (held,
+    /// never written again by either), the K/V of a partly filled block at `valid` are copied
+    /// into the first block of `growth`, and `growth` (this fork's own blocks, enough for its
+    /// positions from the shared blocks on) becomes its tail.
+    pub fn fork(&self, cache: &KvCache, valid: usize, growth: BlockAllocation) -> Result<SequenceKv> {
+        let valid = valid.min(self.len);
+        let bs = self.blocks.block_size();
+        let (full, partial) = (valid / bs, valid % bs);
+        let mut blocks = self.blocks.share_prefix(full);
+        if partial > 0 {
+            let Some(&into) = growth.ids().first() else {
+                return Err(EngineError::InvalidBatch("a fork with a partial block needs blocks of its own".into()));
+            };
+            let from = self.slots(full * bs, valid)?;
+            let to: Vec<u32> = (0..partial).map(|i| (into as usize * bs + i) as u32).collect();
+            cache.copy_slots(&from, &to)?;
+        }
+        blocks.absorb(growth)?;
+        Ok(SequenceKv { blocks, len: valid })
     }
 
     /// Cache slots of positions `start..end`; the blocks must cover them.

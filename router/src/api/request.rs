@@ -463,9 +463,6 @@ fn params(kind: Kind, input: Input, mut c: OpenAiRequest) -> Result<GeneratePara
         }
         constraint = Some((forced, "tools"));
     }
-    if c.n.is_some_and(|n| n != 1) {
-        return Err(RouterError::invalid("n", "only `n` = 1 is supported yet"));
-    }
     let logits = LogitParams {
         frequency_penalty: c.frequency_penalty,
         presence_penalty: c.presence_penalty,
@@ -504,6 +501,7 @@ fn params(kind: Kind, input: Input, mut c: OpenAiRequest) -> Result<GeneratePara
         user: c.user,
         constraint,
         tools,
+        n: c.n,
     })
 }
 
@@ -548,7 +546,7 @@ mod tests {
         );
         assert_eq!(param(Kind::Completion, r#"{"messages":[]}"#).as_deref(), Some("messages"));
         assert_eq!(param(Kind::Chat, r#"{"prompt":"x"}"#).as_deref(), Some("prompt"));
-        assert_eq!(param(Kind::Chat, r#"{"messages":[{"role":"user","content":"x"}],"n":2}"#).as_deref(), Some("n"));
+        assert_eq!(param(Kind::Chat, r#"{"messages":[{"role":"user","content":"x"}],"n":"two"}"#).as_deref(), Some("n"));
     }
 
     #[test]

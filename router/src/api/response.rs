@@ -141,6 +141,14 @@ pub fn object_name(kind: Kind, stream: bool) -> &'static str {
 }
 
 impl Choice {
+    /// This choice as answer `i` of several.
+    pub fn at(mut self, i: u32) -> Self {
+        match &mut self {
+            Choice::Text { index, .. } | Choice::Message { index, .. } => *index = i,
+        }
+        self
+    }
+
     /// A chat answer that called tools: the text before the calls (if any) and the calls.
     pub fn with_tool_calls(content: String, calls: Vec<ToolCall>, logprobs: Option<Logprobs>) -> Self {
         let content = Some(content).filter(|c| !c.trim().is_empty());
@@ -163,6 +171,14 @@ impl Choice {
 }
 
 impl ChunkChoice {
+    /// This chunk choice as answer `i` of several.
+    pub fn at(mut self, i: u32) -> Self {
+        match &mut self {
+            ChunkChoice::Text { index, .. } | ChunkChoice::Delta { index, .. } => *index = i,
+        }
+        self
+    }
+
     /// A chunk carrying `text` (and its token's log probabilities, when asked); the first chat
     /// chunk also names the role.
     pub fn token(kind: Kind, text: String, first: bool, logprobs: Option<Logprobs>) -> Self {

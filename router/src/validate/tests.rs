@@ -8,7 +8,7 @@ fn text() -> TextSide {
     TextSide { tokenizer: Tokenizer::characters().expect("tokenizer"), chat_template: None, max_position: 64 }
 }
 
-const LIMITS: Limits = Limits { max_tokens: 40, default_completion_tokens: 16, default_chat_tokens: 512 };
+const LIMITS: Limits = Limits { max_tokens: 40, default_completion_tokens: 16, default_chat_tokens: 512, max_n: 4 };
 
 fn completion(prompt: &str) -> GenerateParams {
     GenerateParams {
@@ -30,6 +30,7 @@ fn completion(prompt: &str) -> GenerateParams {
         user: None,
         constraint: None,
         tools: None,
+        n: None,
     }
 }
 
@@ -58,6 +59,8 @@ fn sampling_fields_are_checked_by_name() {
     type Change = Box<dyn Fn(&mut GenerateParams)>;
     let cases: Vec<(&str, Change)> = vec![
         ("temperature", Box::new(|p| p.temperature = Some(2.5))),
+        ("n", Box::new(|p| p.n = Some(0))),
+        ("n", Box::new(|p| p.n = Some(5))),
         ("top_p", Box::new(|p| p.top_p = Some(0.0))),
         ("top_k", Box::new(|p| p.top_k = Some(0))),
         ("stop", Box::new(|p| p.stop = vec!["a".into(); 5])),

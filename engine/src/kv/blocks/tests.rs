@@ -162,3 +162,20 @@ fn split_and_absorb_keep_the_prefix_hashes() {
     manager.register(&mut whole, &longer);
     assert_eq!(manager.cached_blocks(), 4, "the fourth block joins the chain");
 }
+
+#[test]
+fn a_shared_prefix_is_freed_by_its_last_holder_and_never_double_freed() {
+    let manager = BlockManager::new(8, 4);
+    let parent = manager.allocate(3).expect("3");
+    let shared = parent.share_prefix(2);
+    assert_eq!(shared.ids(), &parent.ids()[..2]);
+    assert_eq!(manager.free_blocks(), 5, "sharing takes no new block");
+    let more = parent.share_prefix(99);
+    assert_eq!(more.ids(), parent.ids(), "at most every block");
+    drop(parent);
+    assert_eq!(manager.free_blocks(), 5, "the shared blocks stay held; the parent's third too (held by `more`)");
+    drop(more);
+    assert_eq!(manager.free_blocks(), 6);
+    drop(shared);
+    assert_eq!(manager.free_blocks(), 8);
+}

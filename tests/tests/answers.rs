@@ -1,0 +1,150 @@
+//! Several answers per request (`n`) on the real processes: the prompt is prefilled and its
+//! KV shipped once (the prefill worker's KV byte counter moves by the same amount for n = 4
+//! as for n = 1), the answers share its blocks on the decode worker, greedy answers equal
+//! the engine's single answer, seeded ones replay over HTTP and gRPC alike, a client that
+//! leaves mid-stream frees every answer's blocks, and a worker whose batch cannot hold the
+//! answers refuses the request by name.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use pd_engine::{CacheConfig, ChatMessage, Engine, LoadOptions, SamplingParams};
+use pd_proto::v1 as pb;
+use pd_tests::{model_path, Cluster, Options};
+use serde_json::{json, Value};
+
+/// Long enough for several 16-token KV blocks, so the answers share full blocks and each
+/// copies a partial one.
+const QUESTION: &str = "Summarize in one sentence: the lighthouse keeper climbed the stairs every evening, lit \
+the lamp, wrote the weather in his log, and watched the ships pass until dawn.";
+
+async fn chat(cluster: &Cluster, body: Value) -> Value {
+    let r = reqwest::Client::new().post(cluster.url("/v1/chat/completions")).json(&body).send().await.expect("request");
+    let status = r.status().as_u16();
+    let v: Value = r.json().await.expect("json");
+    assert_eq!(status, 200, "{v}");
+    v
+}
+
+fn contents(v: &Value) -> Vec<String> {
+    let choices = v["choices"].as_array().expect("choices");
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"].as_u64(), Some(i as u64), "choices in index order: {v}");
+    }
+    choices.iter().map(|c| c["message"]["content"].as_str().expect("content").to_string()).collect()
+}
+
+async fn kv_bytes_sent(cluster: &Cluster) -> f64 {
+    let text = Cluster::scrape(&cluster.prefill_metrics[0]).await;
+    text.lines()
+        .find_map(|l| l.strip_prefix("pd_kv_transfer_bytes_total "))
+        .and_then(|v| v.parse().ok())
+        .expect("counter")
+}
+
+fn engine_answer(question: &str, max_tokens: usize) -> String {
+    let engine = Engine::load(&model_path(), LoadOptions::default(), CacheConfig::with_blocks(64)).expect("engine");
+    let template = engine.chat_template().expect("chat template");
+    let prompt = template.render(&[ChatMessage::new("user", question)], true).expect("render");
+    let tokens = engine.tokenizer().encode(&prompt).expect("encode");
+    engine.generate(&tokens, &SamplingParams::greedy(max_tokens), 512, |_| {}).expect("generate").text
+}
+
+/// Answers by index over the public gRPC API, with each answer's `choice_done` and the end.
+async fn grpc_answers(cluster: &Cluster, n: u32, seed: u64) -> (Vec<Vec<u32>>, Vec<pb::ChoiceDone>, pb::GenerationDone) {
+    let mut client =
+        pb::generation_client::GenerationClient::connect(format!("http://{}", cluster.grpc)).await.expect("grpc");
+    let request = pb::GenerateRequest {
+        messages: vec![pb::ChatMessage { role: "user".into(), content: QUESTION.into() }],
+        sampling: Some(pb::SamplingParams { max_tokens: 12, temperature: 1.0, seed: Some(seed), ..Default::default() }),
+        n,
+        ..Default::default()
+    };
+    let mut stream = client.generate(request).await.expect("generate").into_inner();
+    let (mut tokens, mut ends, mut done) = (vec![Vec::new(); n as usize], Vec::new(), None);
+    while let Some(m) = stream.message().await.expect("message") {
+        assert!(done.is_none(), "nothing after done");
+        match m.message {
+            Some(pb::generate_response::Message::Token(t)) => {
+                assert!(!ends.iter().any(|e: &pb::ChoiceDone| e.index == t.index), "a token after its answer ended");
+                tokens[t.index as usize].push(t.token_id)
+            }
+            Some(pb::generate_response::Message::ChoiceDone(c)) => ends.push(c),
+            Some(pb::generate_response::Message::Done(d)) => done = Some(d),
+            None => {}
+        }
+    }
+    (tokens, ends, done.expect("done"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_answers_share_one_prefill_and_its_kv() {
+    // Without the decode worker's prefix cache, so a repeated prompt is shipped whole again
+    // (and the answers share blocks by reference count alone).
+    let options = Options { prefill: 1, decode_args: vec!["--no-prefix-cache".into()], ..Options::default() };
+    let cluster = Cluster::start_with(options).await;
+    let greedy = |n: u32| json!({ "messages": [{ "role": "user", "content": QUESTION }], "max_tokens": 16, "temperature": 0, "n": n });
+
+    let before = kv_bytes_sent(&cluster).await;
+    let one = chat(&cluster, greedy(1)).await;
+    let shipped_one = kv_bytes_sent(&cluster).await - before;
+    let four = chat(&cluster, greedy(4)).await;
+    let shipped_four = kv_bytes_sent(&cluster).await - before - shipped_one;
+    assert!(shipped_one > 0.0);
+    assert_eq!(shipped_four, shipped_one, "the prompt's KV is shipped once for four answers");
+    let expected = engine_answer(QUESTION, 16);
+    assert_eq!(contents(&one), vec![expected.clone()]);
+    assert_eq!(contents(&four), vec![expected; 4], "every greedy answer continues the shared prompt exactly");
+    assert_eq!(four["usage"]["prompt_tokens"], one["usage"]["prompt_tokens"], "the prompt counted once");
+    let per_answer = one["usage"]["completion_tokens"].as_u64().expect("tokens");
+    assert_eq!(four["usage"]["completion_tokens"].as_u64(), Some(4 * per_answer));
+
+    // Sampled answers differ, and one seed replays all of them, over HTTP and gRPC alike.
+    let sampled = json!({ "messages": [{ "role": "user", "content": QUESTION }], "max_tokens": 12, "temperature": 1.0, "n": 3, "seed": 21 });
+    let a = contents(&chat(&cluster, sampled.clone()).await);
+    assert_eq!(contents(&chat(&cluster, sampled).await), a, "a seed replays every answer");
+    assert!(a.iter().collect::<std::collections::HashSet<_>>().len() >= 2, "answers sample apart: {a:?}");
+    let (tokens, ends, done) = grpc_answers(&cluster, 3, 21).await;
+    let engine = Engine::load(&model_path(), LoadOptions::default(), CacheConfig::with_blocks(8)).expect("engine");
+    let texts: Vec<String> = tokens.iter().map(|t| engine.tokenizer().decode(t, true).expect("decode")).collect();
+    assert_eq!(texts, a, "gRPC answers by index are the HTTP answers");
+    let mut indexes: Vec<u32> = ends.iter().map(|e| e.index).collect();
+    indexes.sort_unstable();
+    assert_eq!(indexes, vec![0, 1, 2], "one choice_done per answer");
+    for e in &ends {
+        assert_eq!(e.completion_tokens as usize, tokens[e.index as usize].len());
+    }
+    assert_eq!(done.completion_tokens as usize, tokens.iter().map(Vec::len).sum::<usize>());
+
+    // A client that leaves mid-stream frees every answer's blocks.
+    let body = json!({ "messages": [{ "role": "user", "content": QUESTION }], "max_tokens": 200, "temperature": 1.0, "n": 4, "stream": true, "ignore_eos": true });
+    let r = reqwest::Client::new().post(cluster.url("/v1/chat/completions")).json(&body).send().await.expect("request");
+    let mut stream = r.bytes_stream();
+    let mut seen = 0;
+    while seen < 3 {
+        seen += stream.next().await.expect("chunk").expect("bytes").len().min(1);
+    }
+    drop(stream);
+    cluster.wait_kv_free(Duration::from_secs(10)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn colocated_answers_and_a_batch_too_small_for_them() {
+    let options = Options {
+        prefill: 0,
+        decode_args: vec!["--max-batch".into(), "3".into()],
+        ..Options::default()
+    };
+    let cluster = Cluster::start_with(options).await;
+    let body = |n: u32| json!({ "messages": [{ "role": "user", "content": QUESTION }], "max_tokens": 10, "temperature": 0, "n": n });
+    let expected = engine_answer(QUESTION, 10);
+    assert_eq!(contents(&chat(&cluster, body(3)).await), vec![expected; 3], "prefilled on the decode worker");
+    let r = reqwest::Client::new().post(cluster.url("/v1/chat/completions")).json(&body(4)).send().await.expect("request");
+    assert_eq!(r.status().as_u16(), 400);
+    let v: Value = r.json().await.expect("json");
+    assert!(v["error"]["message"].as_str().unwrap_or_default().contains("n (4)"), "{v}");
+    let r = reqwest::Client::new().post(cluster.url("/v1/chat/completions")).json(&body(99)).send().await.expect("request");
+    let v: Value = r.json().await.expect("json");
+    assert_eq!(v["error"]["param"], "n", "above the router's --max-n: {v}");
+    cluster.wait_kv_free(Duration::from_secs(5)).await;
+}
