@@ -212,6 +212,19 @@ impl Model {
         batch: &mut [BatchSeq<'_>],
         layer_done: &mut dyn FnMut(usize) -> ControlFlow<()>,
     ) -> Result<Tensor> {
+        self.forward_rows(cache, batch, &[], layer_done)
+    }
+
+    /// `forward_observed`, with a logits row for *every* new token of the sequences whose
+    /// entry in `every_row` is true (a prompt scored for its own log probabilities, as
+    /// evaluation harnesses ask): their rows come in token order where their one row would.
+    pub fn forward_rows(
+        &self,
+        cache: &KvCache,
+        batch: &mut [BatchSeq<'_>],
+        every_row: &[bool],
+        layer_done: &mut dyn FnMut(usize) -> ControlFlow<()>,
+    ) -> Result<Tensor> {
         let c = &self.config;
         if batch.is_empty() {
             return Err(EngineError::InvalidBatch("empty batch".into()));
@@ -224,7 +237,7 @@ impl Model {
         let mut positions = Vec::new();
         let mut plans = Vec::with_capacity(batch.len());
         let mut logit_rows = Vec::new();
-        for seq in batch.iter_mut() {
+        for (index, seq) in batch.iter_mut().enumerate() {
             let n = seq.tokens.len();
             if n == 0 {
                 return Err(EngineError::InvalidBatch("a sequence has no new tokens".into()));
@@ -245,7 +258,9 @@ impl Model {
             plans.push(SeqPlan::new(ids.len(), n, start, seq.kv.slots(0, end)?, heads, &self.device)?);
             ids.extend_from_slice(seq.tokens);
             positions.extend((start..end).map(|p| p as u32));
-            if seq.want_logits {
+            if every_row.get(index).copied().unwrap_or(false) {
+                logit_rows.extend((ids.len() - n..ids.len()).map(|r| r as u32));
+            } else if seq.want_logits {
                 logit_rows.push((ids.len() - 1) as u32);
             }
         }

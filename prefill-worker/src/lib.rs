@@ -19,6 +19,7 @@
 pub mod error;
 pub mod gauges;
 pub mod pipeline;
+pub mod score;
 pub mod service;
 pub mod step;
 pub mod steps;

@@ -265,6 +265,38 @@ impl PrefillWorker for PrefillService {
         }))
     }
 
+    async fn score(&self, request: Request<pb::ScoreRequest>) -> Result<Response<pb::ScoreResponse>, Status> {
+        let arrived = Instant::now();
+        let parent = pd_telemetry::otel::extract_metadata(request.metadata());
+        let class = RequestClass::from_metadata(request.metadata());
+        let span = StageSpan::start("prefill.score", &parent);
+        if self.stopping.load(Ordering::Relaxed) {
+            return Err(self.refuse(&span, PrefillError::ShuttingDown));
+        }
+        let job = crate::score::check(&self.engine, request.into_inner()).map_err(|e| self.refuse(&span, e))?;
+        let tokens = job.prompt.len();
+        span.set("gen_ai.usage.input_tokens", tokens as i64);
+        let counted = Mutex::new(Counted::new(self.gauges.clone(), tokens as u64, arrived));
+        let progress = |event: &StepEvent| {
+            if let Ok(mut c) = counted.lock() {
+                match event {
+                    StepEvent::Started { .. } => c.start_running(),
+                    StepEvent::Chunk { tokens, .. } => c.advance(*tokens as u64),
+                    _ => {}
+                }
+            }
+        };
+        let scored =
+            crate::score::score(&self.engine, &self.steps, job, progress).await.map_err(|e| self.refuse(&span, e))?;
+        span.set("pd.prefill.compute_ms", scored.compute_ms);
+        span.set("pd.prefill.waited_ms", scored.waited_ms);
+        let labels = StageLabels::new(&class, tokens);
+        labels.observe(&self.metrics.queue_time, scored.waited_ms / 1e3);
+        labels.observe(&self.metrics.prefill_time, scored.compute_ms / 1e3);
+        span.end();
+        Ok(Response::new(crate::score::to_pb(scored)))
+    }
+
     async fn load(&self, request: Request<pb::LoadRequest>) -> Result<Response<pb::PrefillLoad>, Status> {
         if self.stopping.load(Ordering::Relaxed) {
             // The router's choice skips workers whose load query fails.

@@ -53,6 +53,9 @@ pub enum StepEvent {
 pub struct Finished {
     /// `[vocab]` logits after the last prompt token.
     pub logits: Tensor,
+    /// A scored prompt's: the log probability of each prompt token after the first given the
+    /// ones before it (with its `k` most likely alternatives), in order.
+    pub prompt_logprobs: Vec<pd_engine::TokenLogprobs>,
     pub kv: SequenceKv,
     /// Time of the steps this prompt was in.
     pub compute_time: Duration,
@@ -62,6 +65,8 @@ pub struct Finished {
 
 struct Submitted {
     prompt: Vec<u32>,
+    /// Scored: every prompt position's log probabilities, with this many alternatives.
+    score: Option<usize>,
     events: mpsc::UnboundedSender<StepEvent>,
     arrived: Instant,
 }
@@ -69,6 +74,8 @@ struct Submitted {
 /// A prompt in the loop.
 struct Active {
     prompt: Vec<u32>,
+    score: Option<usize>,
+    scored: Vec<pd_engine::TokenLogprobs>,
     done: usize,
     kv: Option<SequenceKv>,
     events: mpsc::UnboundedSender<StepEvent>,
@@ -144,10 +151,21 @@ impl Steps {
 
     /// Queues `prompt`; its events arrive on the returned receiver (drop it to cancel).
     pub fn submit(&self, prompt: Vec<u32>) -> Result<mpsc::UnboundedReceiver<StepEvent>, EngineError> {
+        self.submit_scored(prompt, None)
+    }
+
+    /// `submit`, and with `score` = Some(k) every prompt token's log probability (and its
+    /// k most likely alternatives) in `Finished::prompt_logprobs`: the prompt is computed
+    /// whole, its cached prefix not reused (those positions' logits are needed).
+    pub fn submit_scored(
+        &self,
+        prompt: Vec<u32>,
+        score: Option<usize>,
+    ) -> Result<mpsc::UnboundedReceiver<StepEvent>, EngineError> {
         let (events, rx) = mpsc::unbounded_channel();
         let short = self.config.is_short(prompt.len());
         self.submit
-            .send(Submitted { prompt, events, arrived: Instant::now() })
+            .send(Submitted { prompt, score, events, arrived: Instant::now() })
             .map_err(|_| EngineError::InvalidBatch("the prefill step loop stopped".into()))?;
         if short {
             // After the send: a step that sees the count ahead of what the loop accepted
@@ -198,8 +216,16 @@ impl Loop {
             self.last_short = Some(s.arrived);
             self.short_accepted += 1;
         }
-        let a =
-            Active { prompt: s.prompt, done: 0, kv: None, events: s.events, since: s.arrived, compute: Duration::ZERO };
+        let a = Active {
+            prompt: s.prompt,
+            score: s.score,
+            scored: Vec::new(),
+            done: 0,
+            kv: None,
+            events: s.events,
+            since: s.arrived,
+            compute: Duration::ZERO,
+        };
         self.active.push(a);
     }
 
@@ -255,7 +281,12 @@ impl Loop {
         if a.kv.is_some() {
             return true;
         }
-        match self.engine.sequence_for_prompt(&a.prompt, a.prompt.len()) {
+        let taken = match a.score {
+            // A scored prompt needs every position's logits: nothing cached is reused.
+            Some(_) => self.engine.sequence_with_capacity(a.prompt.len()).map(|kv| (kv, 0)),
+            None => self.engine.sequence_for_prompt(&a.prompt, a.prompt.len()),
+        };
+        match taken {
             Ok((kv, cached)) => {
                 let blocks = kv.blocks().ids().to_vec();
                 let _ = a.events.send(StepEvent::Started { blocks, cached, at: SystemTime::now() });
@@ -292,6 +323,7 @@ impl Loop {
         let (counters, accepted) = (&self.counters, self.short_accepted);
         let mut kvs: Vec<(usize, usize, SequenceKv)> =
             planned.iter().filter_map(|&(i, t)| self.active[i].kv.take().map(|kv| (i, t, kv))).collect();
+        let every_row: Vec<bool> = kvs.iter().map(|(i, _, _)| self.active[*i].score.is_some()).collect();
         let result = {
             let active = &self.active;
             let mut batch: Vec<BatchSeq<'_>> = kvs
@@ -315,10 +347,10 @@ impl Loop {
                     ControlFlow::Continue(())
                 }
             };
-            if notify.is_empty() && !preemptible {
+            if notify.is_empty() && !preemptible && !every_row.contains(&true) {
                 self.engine.forward(&mut batch)
             } else {
-                self.engine.model().forward_observed(self.engine.cache(), &mut batch, &mut layer_done)
+                self.engine.model().forward_rows(self.engine.cache(), &mut batch, &every_row, &mut layer_done)
             }
         };
         for (i, _, kv) in kvs {
@@ -336,6 +368,17 @@ impl Loop {
         for &(i, t) in planned {
             let a = &mut self.active[i];
             let finished = a.done + t == a.prompt.len();
+            if let (Some(k), Ok(l)) = (a.score, &outcome) {
+                // This chunk's rows: position p scores prompt token p + 1; the last prompt
+                // position's row is the one every prompt gives (the first output token's).
+                if let Err(e) = score_chunk(a, l, row, t, k) {
+                    let _ = a.events.send(StepEvent::Failed(e));
+                    remove.push(i);
+                    row += t;
+                    continue;
+                }
+                row += if finished { t - 1 } else { t };
+            }
             let logits = match &outcome {
                 Err(e) => {
                     let _ = a
@@ -360,6 +403,7 @@ impl Loop {
                 let event = match logits {
                     Ok(logits) => StepEvent::Done(Box::new(Finished {
                         logits,
+                        prompt_logprobs: std::mem::take(&mut a.scored),
                         kv,
                         compute_time: a.compute,
                         ended: now.0,
@@ -376,6 +420,17 @@ impl Loop {
             self.active.swap_remove(i);
         }
     }
+}
+
+/// Scores the `t` rows of `logits` from `row` on, the chunk of `a` at `a.done..`: each
+/// position but the prompt's last gives the log probability of the prompt token after it.
+fn score_chunk(a: &mut Active, logits: &Tensor, row: usize, t: usize, k: usize) -> Result<(), EngineError> {
+    for j in 0..t {
+        let Some(&next) = a.prompt.get(a.done + j + 1) else { break };
+        let values = logits.get(row + j)?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
+        a.scored.push(pd_engine::token_logprobs(&values, next, k));
+    }
+    Ok(())
 }
 
 /// Prompt tokens per second on short prompts (a 256-token chunk at no context) by `cost`: what

@@ -80,6 +80,7 @@ pub fn params_from_pb(req: pb::GenerateRequest) -> Result<GenerateParams, Router
         user: None,
         tools: None,
         n: Some(req.n as u64).filter(|&n| n > 0),
+        echo: false,
     })
 }
 

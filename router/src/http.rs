@@ -191,6 +191,9 @@ async fn handle(state: Arc<AppState>, kind: Kind, headers: HeaderMap, body: Body
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
+    if req.echo {
+        return echo_response(&state, req, id, record).await;
+    }
     let updates = match lifecycle::start(state.scheduler.clone(), state.text.clone(), &req, class, record).await {
         Ok(u) => u,
         Err(e) => return e.into_response(),
@@ -201,6 +204,24 @@ async fn handle(state: Arc<AppState>, kind: Kind, headers: HeaderMap, body: Body
     } else {
         collect_response(req, id, updates, &text).await
     }
+}
+
+/// A completion with `echo`: the prompt scored on a prefill worker (`score`).
+async fn echo_response(state: &AppState, req: ValidRequest, id: String, mut record: RequestRecord) -> Response {
+    let echoed = match crate::score::echo(&state.scheduler, &state.text, &req, &mut record).await {
+        Ok(e) => e,
+        Err(e) => return e.into_response(),
+    };
+    let prompt_tokens = req.prompt_tokens.len() as u32;
+    Json(Completion {
+        id,
+        object: object_name(req.kind, false),
+        created: unix_now(),
+        model: req.model,
+        choices: vec![Choice::of(req.kind, echoed.text, echoed.finish_reason, echoed.logprobs)],
+        usage: Usage::new(prompt_tokens, echoed.completion_tokens, 0),
+    })
+    .into_response()
 }
 
 /// One answer as it builds up.

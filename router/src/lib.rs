@@ -26,6 +26,7 @@ pub mod record;
 pub mod relay;
 pub mod route;
 pub mod schedule;
+pub mod score;
 pub mod serve;
 pub mod tenants;
 pub mod tools;

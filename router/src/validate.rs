@@ -100,6 +100,8 @@ pub struct GenerateParams {
     pub tools: Option<Tools>,
     /// Answers to sample from the prompt (None: one), with the field it came from.
     pub n: Option<u64>,
+    /// Completions: the prompt comes back before the output (with `logprobs`, scored).
+    pub echo: bool,
 }
 
 /// A request the cluster can run.
@@ -116,6 +118,9 @@ pub struct ValidRequest {
     pub tools: Option<std::sync::Arc<Tools>>,
     /// Answers sampled from the prompt (at least 1): one prefill, the prompt's KV shared.
     pub n: usize,
+    /// Echo the prompt (and score it, with logprobs): served by a prefill worker alone
+    /// (`score`), `max_tokens` 0 or 1, whole (not streamed), one answer.
+    pub echo: bool,
 }
 
 /// Limits the router enforces.
@@ -161,7 +166,7 @@ pub fn validate(
         let message = format!("the prompt has {} tokens; the context length is {context}", prompt_tokens.len());
         return Err(RouterError::invalid(field, message));
     }
-    let max_tokens = max_tokens(&p, prompt_tokens.len(), context, limits)?;
+    let max_tokens = if p.echo { echo_tokens(&p)? } else { max_tokens(&p, prompt_tokens.len(), context, limits)? };
     let vocab = text.tokenizer.vocab_size();
     let logits = check_logits(&p.logits, vocab, max_tokens)?;
     if let Some(id) = p.stop_token_ids.iter().find(|&&id| id as usize >= vocab) {
@@ -197,7 +202,8 @@ pub fn validate(
     };
     let (kind, stream, include_usage, user) = (p.kind, p.stream, p.include_usage, p.user);
     let tools = p.tools.filter(Tools::active).map(std::sync::Arc::new);
-    Ok(ValidRequest { kind, model, prompt_tokens, params, stream, include_usage, user, tools, n })
+    let echo = p.echo;
+    Ok(ValidRequest { kind, model, prompt_tokens, params, stream, include_usage, user, tools, n, echo })
 }
 
 /// A random sampling seed (the operating system's generator).
@@ -351,6 +357,26 @@ pub fn render_chat(
     template
         .render_with_tools(&turns, listed.as_deref().filter(|_| native), generation_prompt)
         .map_err(|e| RouterError::invalid("messages", e.to_string()))
+}
+
+/// `max_tokens` of an echo request: 0 or 1 (the prefill worker's own first token), default 0;
+/// one whole answer, whose output no constraint or tool shapes.
+fn echo_tokens(p: &GenerateParams) -> Result<usize, RouterError> {
+    let refuse = |field: &str, why: &str| Err(RouterError::invalid(field, format!("with `echo`, {why}")));
+    if p.stream {
+        return refuse("stream", "the answer comes whole: `stream` must be false");
+    }
+    if p.n.is_some_and(|n| n > 1) {
+        return refuse("n", "one answer only (`n` 1)");
+    }
+    if let Some((_, field)) = &p.constraint {
+        return refuse(field, "the output is not constrained");
+    }
+    match p.max_tokens {
+        None | Some(0) => Ok(0),
+        Some(1) => Ok(1),
+        Some(_) => refuse(p.max_tokens_field, "`max_tokens` must be 0 or 1 (the prompt is scored on a prefill worker alone)"),
+    }
 }
 
 /// `max_tokens` as given (checked against the limit and the context left), or the kind's

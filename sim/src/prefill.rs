@@ -226,6 +226,11 @@ impl SimPrefill {
 
 #[tonic::async_trait]
 impl pb::prefill_worker_server::PrefillWorker for SimPrefill {
+    async fn score(&self, _: Request<pb::ScoreRequest>) -> Result<Response<pb::ScoreResponse>, Status> {
+        // A cost model has no logits to score a prompt with.
+        Err(Status::unimplemented("the simulated prefill worker does not score prompts (echo with logprobs)"))
+    }
+
     async fn prefill(&self, request: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
         self.check_alive()?;
         let req = request.into_inner();

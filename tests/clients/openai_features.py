@@ -212,6 +212,33 @@ check("n=4 streamed: usage counts every answer", usage is not None and usage.com
 texts = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0.8, n=2, seed=3, logprobs=1)
 check("completions n=2 with logprobs", len(texts.choices) == 2 and all(len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) > 0 for c in texts.choices), texts)
 
+# echo + logprobs: the prompt's own tokens scored on a prefill worker (what evaluation
+# harnesses send for a loglikelihood). The prompt is a greedy continuation, so its scored
+# tail must agree with the logprobs the generation reported for those tokens.
+start = "The capital of France is"
+gen = client.completions.create(model=MODEL, prompt=start, max_tokens=6, temperature=0, logprobs=1)
+whole = start + gen.choices[0].text
+scored = client.completions.create(model=MODEL, prompt=whole, echo=True, logprobs=1, max_tokens=0)
+lp = scored.choices[0].logprobs
+check("echo: the text is the prompt", scored.choices[0].text == whole, scored.choices[0].text)
+check("echo: one position per prompt token", len(lp.tokens) == scored.usage.prompt_tokens and scored.usage.completion_tokens == 0, scored.usage)
+check("echo: the first token has no logprob", lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, lp.token_logprobs[:2])
+tail, generated = lp.token_logprobs[-6:], gen.choices[0].logprobs.token_logprobs
+check("echo: the generated tail scores as it was generated", all(abs(a - b) < 0.05 for a, b in zip(tail, generated)), (tail, generated))
+check("echo: greedy tail tokens are each position's top", all(abs(l - max(t.values())) < 1e-4 for l, t in zip(lp.token_logprobs[-6:], lp.top_logprobs[-6:])))
+one = client.completions.create(model=MODEL, prompt=start, echo=True, logprobs=0, max_tokens=1, temperature=0)
+check("echo with max_tokens 1: prompt then the greedy token", one.choices[0].text == start + gen.choices[0].text[: len(one.choices[0].text) - len(start)] and one.usage.completion_tokens == 1, one.choices[0].text)
+for name, kw, param in [
+    ("echo with max_tokens above 1", {"max_tokens": 5}, "max_tokens"),
+    ("echo streamed", {"max_tokens": 0, "stream": True}, "stream"),
+    ("echo with n 2", {"max_tokens": 0, "n": 2}, "n"),
+]:
+    try:
+        client.completions.create(model=MODEL, prompt=start, echo=True, logprobs=1, **kw)
+        check(name, False, "accepted")
+    except openai.BadRequestError as e:
+        check(name + " is a 400 naming the field", param in str(e), str(e))
+
 # Refused by name, nothing reaches a worker.
 for name, kw, param in [
     ("n above the router's maximum", {"n": 99}, "n"),

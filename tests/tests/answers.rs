@@ -3,7 +3,8 @@
 //! as for n = 1), the answers share its blocks on the decode worker, greedy answers equal
 //! the engine's single answer, seeded ones replay over HTTP and gRPC alike, a client that
 //! leaves mid-stream frees every answer's blocks, and a worker whose batch cannot hold the
-//! answers refuses the request by name.
+//! answers refuses the request by name. `echo` with `logprobs` (a prompt scored for its own
+//! log probabilities) is served by a prefill worker alone: the decode worker sees nothing.
 
 use std::time::Duration;
 
@@ -146,5 +147,42 @@ async fn colocated_answers_and_a_batch_too_small_for_them() {
     let r = reqwest::Client::new().post(cluster.url("/v1/chat/completions")).json(&body(99)).send().await.expect("request");
     let v: Value = r.json().await.expect("json");
     assert_eq!(v["error"]["param"], "n", "above the router's --max-n: {v}");
+    cluster.wait_kv_free(Duration::from_secs(5)).await;
+}
+
+fn sample(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{name} in {metrics}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_scores_the_prompt_on_a_prefill_worker_alone() {
+    let cluster = Cluster::start(1).await;
+    let decode_before = Cluster::scrape(&cluster.decode_metrics).await;
+    let body = json!({ "prompt": QUESTION, "echo": true, "logprobs": 2, "max_tokens": 1, "temperature": 0 });
+    let r = reqwest::Client::new().post(cluster.url("/v1/completions")).json(&body).send().await.expect("request");
+    assert_eq!(r.status().as_u16(), 200);
+    let v: Value = r.json().await.expect("json");
+    let choice = &v["choices"][0];
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().expect("usage") as usize;
+    let logprobs = choice["logprobs"]["token_logprobs"].as_array().expect("token_logprobs");
+    assert_eq!(logprobs.len(), prompt_tokens + 1, "every prompt token and the one output token: {v}");
+    assert!(logprobs[0].is_null(), "the first prompt token has nothing before it");
+    assert!(logprobs[1..].iter().all(|l| l.as_f64().is_some_and(|l| l <= 0.0)), "{v}");
+    let tops = choice["logprobs"]["top_logprobs"].as_array().expect("top_logprobs");
+    assert!(tops[1..].iter().all(|t| t.as_object().is_some_and(|m| m.len() == 2)), "two alternatives each");
+    assert!(choice["text"].as_str().expect("text").starts_with(QUESTION), "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 1);
+    let decode_after = Cluster::scrape(&cluster.decode_metrics).await;
+    for name in ["pd_prefix_cache_queries_total", "pd_kv_transfer_bytes_total"] {
+        assert_eq!(sample(&decode_after, name), sample(&decode_before, name), "{name}: no reservation, no transfer");
+    }
+    // A prompt outside the vocabulary is refused before any worker; the worker checks too.
+    let bad = json!({ "prompt": [1, 999_999], "echo": true, "logprobs": 1, "max_tokens": 0 });
+    let r = reqwest::Client::new().post(cluster.url("/v1/completions")).json(&bad).send().await.expect("request");
+    assert_eq!(r.status().as_u16(), 400);
     cluster.wait_kv_free(Duration::from_secs(5)).await;
 }

@@ -63,8 +63,9 @@ pub struct ChatLogprobs {
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
-    pub top_logprobs: Vec<Map<String, Value>>,
+    /// None (null) for an echoed prompt's first token, which has nothing before it.
+    pub token_logprobs: Vec<Option<f32>>,
+    pub top_logprobs: Vec<Option<Map<String, Value>>>,
     pub text_offset: Vec<usize>,
 }
 
@@ -109,11 +110,24 @@ impl Logprobs {
             }),
             Logprobs::Completion(c, offset) => {
                 c.tokens.push(token);
-                c.token_logprobs.push(finite(l.logprob));
-                c.top_logprobs.push(top.map(|t| (t.token, Value::from(t.logprob))).collect());
+                c.token_logprobs.push(Some(finite(l.logprob)));
+                c.top_logprobs.push(Some(top.map(|t| (t.token, Value::from(t.logprob))).collect()));
                 c.text_offset.push(*offset);
                 *offset += text.len();
             }
+        }
+    }
+
+    /// Adds an echoed prompt's first token, which has no log probability (completions; chat
+    /// has no echo).
+    pub fn push_unscored(&mut self, tokenizer: &Tokenizer, token_id: u32) {
+        if let Logprobs::Completion(c, offset) = self {
+            let (token, bytes) = token_text(tokenizer, token_id);
+            c.tokens.push(token);
+            c.token_logprobs.push(None);
+            c.top_logprobs.push(None);
+            c.text_offset.push(*offset);
+            *offset += bytes.len();
         }
     }
 

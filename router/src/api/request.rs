@@ -1,5 +1,5 @@
 //! OpenAI request bodies. Unknown fields are refused (a typo must not be silently ignored),
-//! and so is every known field this server cannot honour (`n` above 1, `echo`, ...): nothing
+//! and so is every known field this server cannot honour (`best_of`, `suffix`, ...): nothing
 //! is accepted and then ignored. `user` is kept as a label on the request's record.
 
 use serde::Deserialize;
@@ -288,9 +288,6 @@ pub fn decode(kind: Kind, body: &[u8]) -> Result<GenerateParams, RouterError> {
                 let field = if r.messages.is_some() { "messages" } else { "max_completion_tokens" };
                 return Err(RouterError::invalid(field, format!("`{field}` belongs to /v1/chat/completions")));
             }
-            if r.echo == Some(true) {
-                return Err(RouterError::invalid("echo", "`echo` is not supported by this server yet"));
-            }
             if r.top_logprobs.is_some() {
                 return Err(RouterError::invalid(
                     "top_logprobs",
@@ -502,6 +499,7 @@ fn params(kind: Kind, input: Input, mut c: OpenAiRequest) -> Result<GeneratePara
         constraint,
         tools,
         n: c.n,
+        echo: c.echo.unwrap_or(false),
     })
 }
 
@@ -534,7 +532,7 @@ mod tests {
         assert_eq!(param(Kind::Completion, r#"{"prompt":[1,-2]}"#).as_deref(), Some("prompt[1]"));
         assert_eq!(param(Kind::Completion, r#"{"prompt":[[1,4294967296]]}"#).as_deref(), Some("prompt[0][1]"));
         assert_eq!(param(Kind::Completion, r#"{"prompt":[]}"#).as_deref(), Some("prompt"));
-        assert_eq!(param(Kind::Completion, r#"{"prompt":"x","echo":true}"#).as_deref(), Some("echo"));
+        assert_eq!(param(Kind::Chat, r#"{"messages":[],"echo":true}"#).as_deref(), Some("echo"));
         assert_eq!(param(Kind::Completion, r#"{"prompt":"x","logprobs":true}"#).as_deref(), Some("logprobs"));
         assert_eq!(param(Kind::Completion, r#"{"prompt":"x","top_logprobs":2}"#).as_deref(), Some("top_logprobs"));
         assert_eq!(param(Kind::Chat, r#"{"messages":[],"top_logprobs":2}"#).as_deref(), Some("top_logprobs"));

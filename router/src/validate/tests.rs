@@ -31,6 +31,7 @@ fn completion(prompt: &str) -> GenerateParams {
         constraint: None,
         tools: None,
         n: None,
+        echo: false,
     }
 }
 

@@ -178,6 +178,10 @@ impl FakePrefill {
 
 #[tonic::async_trait]
 impl PrefillWorker for FakePrefill {
+    async fn score(&self, _: Request<pb::ScoreRequest>) -> Result<Response<pb::ScoreResponse>, Status> {
+        Err(Status::unimplemented("the in-test prefill worker does not score prompts"))
+    }
+
     async fn prefill(&self, request: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillResponse>, Status> {
         self.requests.fetch_add(1, Ordering::SeqCst);
         let class = request.metadata().get("x-pd-class").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
