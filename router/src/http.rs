@@ -14,7 +14,7 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use futures_util::StreamExt;
+use futures_util::{Stream, StreamExt};
 use pd_engine::TextSide;
 use pd_proto::v1 as pb;
 
@@ -23,11 +23,11 @@ use crate::api::request;
 use crate::api::response::{object_name, Choice, Chunk, ChunkChoice, Completion, ModelList, ToolCall, Usage};
 use crate::classes::{Class, CLASS_HEADER};
 use crate::error::RouterError;
-use crate::lifecycle::{self, Updates};
+use crate::lifecycle;
 use crate::record::{client_request_id, Arrival, RequestRecord};
 use crate::relay::Update;
 use crate::schedule::Scheduler;
-use crate::validate::{validate, GenerateParams, Kind, Limits, ValidRequest};
+use crate::validate::{validate, GenerateParams, Input, Kind, Limits, ValidRequest};
 use pd_telemetry::metrics::RouterMetrics;
 use pd_telemetry::{Metrics, RequestClass};
 
@@ -182,10 +182,14 @@ async fn handle(state: Arc<AppState>, kind: Kind, headers: HeaderMap, body: Body
         headers.get(CLASS_HEADER).map(|v| v.as_bytes()),
         headers.get(header::AUTHORIZATION).map(|v| v.as_bytes()),
     );
-    let params = match client_id {
-        Some(Err(e)) => Err(e),
+    let params = match &client_id {
+        Some(Err(e)) => Err(e.clone()),
         _ => read_body(&state, &headers, body).await.and_then(|b| request::decode(kind, &b)),
     };
+    if let Some(p) = params.as_ref().ok().filter(|p| matches!(p.input, Input::Batch(_))) {
+        drop(arrival); // each prompt arrives as its own request
+        return handle_batch(state, &headers, client_id.and_then(Result::ok), p.clone()).await;
+    }
     let id = AppState::request_id();
     let (req, class, record) = match state.accept(arrival, caller, params, id.clone()).await {
         Ok(r) => r,
@@ -203,6 +207,68 @@ async fn handle(state: Arc<AppState>, kind: Kind, headers: HeaderMap, body: Body
         stream_response(req, id, updates, text).into_response()
     } else {
         collect_response(req, id, updates, &text).await
+    }
+}
+
+/// A request with several prompts (`crate::batch`): each is accepted (validated, checked
+/// against the class) and started as its own request; one answer holds their choices.
+async fn handle_batch(
+    state: Arc<AppState>,
+    headers: &HeaderMap,
+    client_id: Option<String>,
+    mut p: GenerateParams,
+) -> Response {
+    let Input::Batch(prompts) = std::mem::replace(&mut p.input, Input::Tokens(Vec::new())) else {
+        return RouterError::invalid("prompt", "not a list of prompts").into_response();
+    };
+    let cx = pd_telemetry::otel::extract_headers(headers);
+    let mut accepted = Vec::with_capacity(prompts.len());
+    for input in prompts {
+        let one = GenerateParams { input, ..p.clone() };
+        let arrival = Arrival::new(&cx).with_client_id(client_id.clone());
+        let caller = state.caller(
+            headers.get(CLASS_HEADER).map(|v| v.as_bytes()),
+            headers.get(header::AUTHORIZATION).map(|v| v.as_bytes()),
+        );
+        match state.accept(arrival, caller, Ok(one), AppState::request_id()).await {
+            Ok(a) => accepted.push(a),
+            Err(e) => return e.into_response(),
+        }
+    }
+    let id = AppState::request_id();
+    let Some(first) = accepted.first() else { return RouterError::invalid("prompt", "no prompt").into_response() };
+    let n = first.0.n;
+    let shape = ValidRequest { n: n * accepted.len(), ..first.0.clone() };
+    if shape.echo {
+        let mut choices = Vec::with_capacity(accepted.len());
+        let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+        for (i, (req, _, mut record)) in accepted.into_iter().enumerate() {
+            match crate::score::echo(&state.scheduler, &state.text, &req, &mut record).await {
+                Ok(e) => {
+                    prompt_tokens += req.prompt_tokens.len() as u32;
+                    completion_tokens += e.completion_tokens;
+                    choices.push(Choice::of(req.kind, e.text, e.finish_reason, e.logprobs).at(i as u32));
+                }
+                Err(e) => return e.into_response(),
+            }
+        }
+        let usage = Usage::new(prompt_tokens, completion_tokens, 0);
+        let object = object_name(shape.kind, false);
+        return Json(Completion { id, object, created: unix_now(), model: shape.model, choices, usage }).into_response();
+    }
+    let mut parts = Vec::with_capacity(accepted.len());
+    for (req, class, record) in accepted {
+        match lifecycle::start(state.scheduler.clone(), state.text.clone(), &req, class, record).await {
+            Ok(u) => parts.push(u),
+            Err(e) => return e.into_response(),
+        }
+    }
+    let merged = Box::pin(crate::batch::merge(parts, n));
+    let text = state.text.clone();
+    if shape.stream {
+        stream_response(shape, id, merged, text).into_response()
+    } else {
+        collect_response(shape, id, merged, &text).await
     }
 }
 
@@ -260,7 +326,12 @@ impl Answers {
 }
 
 /// A whole response: every answer's text (and log probabilities, when asked), then the usage.
-async fn collect_response(req: ValidRequest, id: String, mut updates: Updates, side: &TextSide) -> Response {
+async fn collect_response(
+    req: ValidRequest,
+    id: String,
+    mut updates: impl Stream<Item = Result<Update, RouterError>> + Unpin,
+    side: &TextSide,
+) -> Response {
     let mut answers = Answers::new(&req);
     let mut choices = Vec::with_capacity(req.n);
     while let Some(update) = updates.next().await {
@@ -307,7 +378,7 @@ async fn collect_response(req: ValidRequest, id: String, mut updates: Updates, s
 fn stream_response(
     req: ValidRequest,
     id: String,
-    updates: Updates,
+    updates: impl Stream<Item = Result<Update, RouterError>> + Send + 'static,
     side: Arc<TextSide>,
 ) -> Sse<impl futures_util::Stream<Item = Result<Event, Infallible>>> {
     let created = unix_now();

@@ -16,6 +16,7 @@
 #![warn(clippy::too_many_lines)] // functions stay under 80 lines (clippy.toml)
 
 pub mod api;
+pub mod batch;
 pub mod classes;
 pub mod error;
 pub mod grpc;

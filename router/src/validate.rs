@@ -50,6 +50,8 @@ pub enum Input {
     Messages(Vec<(Role, String)>),
     /// A completion prompt given as token ids.
     Tokens(Vec<u32>),
+    /// Several completion prompts (`batch`: each one its own request).
+    Batch(Vec<Input>),
 }
 
 /// What changes the logits before sampling, and what is reported of them, as a front end read
@@ -307,6 +309,9 @@ fn tokenize(input: &Input, tools: Option<&Tools>, text: &TextSide) -> Result<(&'
         Input::Prompt(p) => ("prompt", p.clone()),
         Input::Messages(m) if m.is_empty() => {
             return Err(RouterError::invalid("messages", "`messages` must not be empty"))
+        }
+        Input::Batch(_) => {
+            return Err(RouterError::invalid("prompt", "a list of prompts is answered prompt by prompt"))
         }
         Input::Tokens(ids) => {
             let vocab = text.tokenizer.vocab_size();

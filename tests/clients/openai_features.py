@@ -239,6 +239,20 @@ for name, kw, param in [
     except openai.BadRequestError as e:
         check(name + " is a 400 naming the field", param in str(e), str(e))
 
+# A list of prompts: one request each in the cluster, choices numbered prompt by prompt
+# (prompt i's answer j is choice i * n + j), usage summed; the shape evaluation harnesses send.
+prompts = ["The capital of France is", "Water boils at"]
+singles = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0).choices[0].text for p in prompts]
+both = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2)
+check("a list of prompts: n answers each, in order", [c.text for c in sorted(both.choices, key=lambda c: c.index)] == [singles[0]] * 2 + [singles[1]] * 2, both.choices)
+streamed = {}
+for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, stream=True):
+    for ch in chunk.choices:
+        streamed[ch.index] = streamed.get(ch.index, "") + ch.text
+check("a list of prompts streamed by index", [streamed.get(0), streamed.get(1)] == singles, streamed)
+harness = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=1, logprobs=1, seed=1234, echo=True)
+check("an evaluation harness's echo batch: every prompt scored", len(harness.choices) == 2 and all(c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) >= 3 for c in harness.choices), harness.choices)
+
 # Refused by name, nothing reaches a worker.
 for name, kw, param in [
     ("n above the router's maximum", {"n": 99}, "n"),

@@ -313,10 +313,10 @@ pub fn decode(kind: Kind, body: &[u8]) -> Result<GenerateParams, RouterError> {
     params(kind, input, r)
 }
 
-/// A completion's `prompt`: a string, a list of token ids, or a list holding one of either
-/// (OpenAI's batch of several prompts is refused by name).
+/// A completion's `prompt`: a string, a list of token ids, or a list of either (several of
+/// them: a batch, answered prompt by prompt, `crate::batch`).
 fn prompt_input(prompt: Value) -> Result<Input, RouterError> {
-    let shape = "`prompt` must be a string, a list of token ids, or a list of one of either";
+    let shape = "`prompt` must be a string, a list of token ids, or a list of either";
     match prompt {
         Value::String(s) => Ok(Input::Prompt(s)),
         Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_number) => token_ids(&items, "prompt"),
@@ -325,8 +325,19 @@ fn prompt_input(prompt: Value) -> Result<Input, RouterError> {
             Value::Array(ids) if ids.iter().all(Value::is_number) => token_ids(&ids, "prompt[0]"),
             _ => Err(RouterError::invalid("prompt", shape)),
         },
+        Value::Array(items) if items.len() > crate::batch::MAX_PROMPTS => Err(RouterError::invalid(
+            "prompt",
+            format!("{} prompts; at most {} in one request", items.len(), crate::batch::MAX_PROMPTS),
+        )),
         Value::Array(items) if items.len() > 1 && items.iter().all(|i| i.is_string() || i.is_array()) => {
-            Err(RouterError::invalid("prompt", "a batch of several prompts is not supported yet: send one per request"))
+            let prompts = items.into_iter().enumerate().map(|(i, item)| match item {
+                Value::String(s) => Ok(Input::Prompt(s)),
+                Value::Array(ids) if !ids.is_empty() && ids.iter().all(Value::is_number) => {
+                    token_ids(&ids, &format!("prompt[{i}]"))
+                }
+                _ => Err(RouterError::invalid(&format!("prompt[{i}]"), shape)),
+            });
+            Ok(Input::Batch(prompts.collect::<Result<_, _>>()?))
         }
         _ => Err(RouterError::invalid("prompt", shape)),
     }
@@ -527,8 +538,8 @@ mod tests {
             param(Kind::Completion, r#"{"prompt":"x","stream_options":{"bogus":true}}"#).as_deref(),
             Some("stream_options.bogus")
         );
-        assert_eq!(param(Kind::Completion, r#"{"prompt":["a","b"]}"#).as_deref(), Some("prompt"));
-        assert_eq!(param(Kind::Completion, r#"{"prompt":[[1],[2]]}"#).as_deref(), Some("prompt"));
+        assert_eq!(param(Kind::Completion, r#"{"prompt":["a",[]]}"#).as_deref(), Some("prompt[1]"));
+        assert_eq!(param(Kind::Completion, r#"{"prompt":[[1],[2,-1]]}"#).as_deref(), Some("prompt[1][1]"));
         assert_eq!(param(Kind::Completion, r#"{"prompt":[1,-2]}"#).as_deref(), Some("prompt[1]"));
         assert_eq!(param(Kind::Completion, r#"{"prompt":[[1,4294967296]]}"#).as_deref(), Some("prompt[0][1]"));
         assert_eq!(param(Kind::Completion, r#"{"prompt":[]}"#).as_deref(), Some("prompt"));
@@ -563,6 +574,8 @@ mod tests {
                 .expect("valid");
         assert!(p.stream && p.include_usage);
         assert!(matches!(p.input, Input::Prompt(ref s) if s == "one"));
+        let p = decode(Kind::Completion, br#"{"prompt":["a",[5]]}"#).expect("a batch");
+        assert!(matches!(&p.input, Input::Batch(b) if matches!(b.as_slice(), [Input::Prompt(_), Input::Tokens(_)])));
         for body in [r#"{"prompt":[5,6,7]}"#, r#"{"prompt":[[5,6,7]]}"#] {
             let p = decode(Kind::Completion, body.as_bytes()).expect("token ids");
             assert!(matches!(p.input, Input::Tokens(ref ids) if ids == &[5, 6, 7]), "{body}");
