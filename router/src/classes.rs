@@ -1,7 +1,8 @@
 //! Traffic classes: what a request may ask for and how long it may wait, declared in a TOML
 //! file (`--classes`) or the built-in `interactive` + `batch`. A request's class comes from
 //! its API key when the key is mapped to one (a class's `api_keys`, or a tenant's `class`; a
-//! key cannot claim another class), else from the `x-pd-class` header or metadata, else the
+//! key cannot claim another class), else from the `x-pd-class` header or metadata (never a class
+//! with `api_keys`: those are reserved for their keys, 403), else the
 //! default class. The same file declares tenants (`tenants`: keys, class, rate) and whether
 //! an API key is required (`require_api_key`: 401 without a known one). Limits are checked here with
 //! errors that name the limit; the queue budget and SLOs are used by `schedule`.
@@ -206,17 +207,24 @@ impl Classes {
         self.tenants.iter().find(|t| t.spec.api_keys.iter().any(|k| k == key)).map(|t| t.name.clone())
     }
 
-    /// The class a header names, or the default without one.
+    /// The class a header names, or the default without one. A class with `api_keys` is
+    /// reserved for them: a request gets there by its key, never by naming it (403).
     fn by_header(&self, header: Option<&[u8]>) -> Result<Arc<Class>, RouterError> {
         let Some(value) = header else { return Ok(self.default_class().clone()) };
         let name = std::str::from_utf8(value).map_err(|_| RouterError::invalid(CLASS_HEADER, "is not UTF-8"))?.trim();
-        self.all.iter().find(|c| c.name == name).cloned().ok_or_else(|| {
+        let class = self.all.iter().find(|c| c.name == name).cloned().ok_or_else(|| {
             let known: Vec<&str> = self.all.iter().map(|c| c.name.as_str()).collect();
             RouterError::invalid(
                 CLASS_HEADER,
                 format!("unknown class `{name}`; this router serves {}", known.join(", ")),
             )
-        })
+        })?;
+        if !class.spec.api_keys.is_empty() {
+            return Err(RouterError::Forbidden(format!(
+                "class `{name}` is reserved for its own API keys; this request's key (or its absence) does not open it"
+            )));
+        }
+        Ok(class)
     }
 }
 
@@ -270,6 +278,14 @@ mod tests {
         let class = c.assign(Some(b"interactive"), Some(b"Bearer k-batch")).expect("class");
         assert_eq!(class.name, "batch");
         assert_eq!(c.assign(None, Some(b"Bearer other")).expect("class").name, "interactive");
+        // A class with keys is theirs: naming it in the header opens nothing.
+        for key in [None, Some(&b"Bearer other"[..])] {
+            let refused = c.assign(Some(b"batch"), key).expect_err("reserved");
+            assert!(matches!(&refused, RouterError::Forbidden(m) if m.contains("batch")), "{refused:?}");
+        }
+        let tenants = file + "\n[tenants.free]\napi_keys = [\"k-free\"]\n";
+        let c = Classes::parse(&tenants).expect("classes");
+        assert!(matches!(c.assign(Some(b"batch"), Some(b"Bearer k-free")), Err(RouterError::Forbidden(_))));
     }
 
     #[test]

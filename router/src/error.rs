@@ -44,6 +44,9 @@ pub enum RouterError {
     /// No API key, or an unknown one, where one is required.
     #[error("{0}")]
     Unauthorized(String),
+    /// The caller's key does not open what it asked for (a class reserved for other keys).
+    #[error("{0}")]
+    Forbidden(String),
     /// The request's decode worker was lost and it could not be continued elsewhere (no other
     /// decode worker, or the migration limit reached); says why.
     #[error("{0}")]
@@ -74,6 +77,7 @@ impl RouterError {
             RouterError::Worker { .. } => "worker_failed",
             RouterError::Migration(_) => "migration_failed",
             RouterError::Unauthorized(_) => "unauthorized",
+            RouterError::Forbidden(_) => "forbidden",
             RouterError::ClientTooSlow(_) => "client_too_slow",
         }
     }
@@ -87,6 +91,7 @@ impl RouterError {
             RouterError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
             RouterError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             RouterError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            RouterError::Forbidden(_) => StatusCode::FORBIDDEN,
             RouterError::ClientTooSlow(_) => StatusCode::REQUEST_TIMEOUT,
             RouterError::NoWorker(_)
             | RouterError::QueueStalled(_)
@@ -106,6 +111,7 @@ impl RouterError {
             RouterError::ModelNotFound(_) => "not_found_error",
             RouterError::Overloaded { .. } => "rate_limit_error",
             RouterError::Unauthorized(_) => "authentication_error",
+            RouterError::Forbidden(_) => "permission_error",
             RouterError::ClientTooSlow(_) => "timeout_error",
             RouterError::NoWorker(_)
             | RouterError::QueueStalled(_)
@@ -137,6 +143,7 @@ impl RouterError {
             RouterError::ModelNotFound(_) => tonic::Status::not_found(self.to_string()),
             RouterError::Overloaded { retry_after_s, .. } => retry_status(self.to_string(), *retry_after_s),
             RouterError::Unauthorized(_) => tonic::Status::unauthenticated(self.to_string()),
+            RouterError::Forbidden(_) => tonic::Status::permission_denied(self.to_string()),
             RouterError::ClientTooSlow(_) => tonic::Status::deadline_exceeded(self.to_string()),
             RouterError::NoWorker(_)
             | RouterError::QueueStalled(_)
@@ -222,6 +229,7 @@ mod tests {
                 "worker_failed",
             ),
             (RouterError::Unauthorized("x".into()), StatusCode::UNAUTHORIZED, Code::Unauthenticated, "unauthorized"),
+            (RouterError::Forbidden("x".into()), StatusCode::FORBIDDEN, Code::PermissionDenied, "forbidden"),
             (
                 RouterError::Migration("x".into()),
                 StatusCode::SERVICE_UNAVAILABLE,
