@@ -39,6 +39,8 @@ pub struct AppState {
     pub limits: Limits,
     pub model_name: String,
     pub body_limit: usize,
+    /// How long a body may take to arrive (408 past it).
+    pub body_read_timeout: std::time::Duration,
     pub metrics: Arc<Metrics>,
     pub router_metrics: RouterMetrics,
     /// Set on SIGTERM: `/ready` fails so the load balancer stops sending new requests.
@@ -141,19 +143,28 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
     }
     // Read up to the limit; past it, keep reading (and dropping) what the client still sends,
     // up to a hard cap, so it receives the 413 instead of a broken connection.
-    let mut stream = body.into_data_stream();
-    let mut bytes = Vec::new();
-    let mut total = 0usize;
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk
-            .map_err(|e| RouterError::InvalidRequest { message: format!("reading the body: {e}"), param: None })?;
-        total += chunk.len();
-        if total <= state.body_limit {
-            bytes.extend_from_slice(&chunk);
-        } else if total > DRAIN_CAP {
-            break;
+    // The whole body within `body_read_timeout` (the header timeout covers the head only): a
+    // client trickling its body gets 408 instead of holding the connection for ever.
+    let read = async {
+        let mut stream = body.into_data_stream();
+        let mut bytes = Vec::new();
+        let mut total = 0usize;
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk
+                .map_err(|e| RouterError::InvalidRequest { message: format!("reading the body: {e}"), param: None })?;
+            total += chunk.len();
+            if total <= state.body_limit {
+                bytes.extend_from_slice(&chunk);
+            } else if total > DRAIN_CAP {
+                break;
+            }
         }
-    }
+        Ok::<_, RouterError>((bytes, total))
+    };
+    let timeout = state.body_read_timeout;
+    let (bytes, total) = tokio::time::timeout(timeout, read).await.map_err(|_| {
+        RouterError::ClientTooSlow(format!("the request body did not arrive within {} ms", timeout.as_millis()))
+    })??;
     if total > state.body_limit {
         return Err(RouterError::TooLarge(state.body_limit));
     }

@@ -78,6 +78,8 @@ pub struct Config {
     /// An HTTP connection that has not sent a whole request head within this is closed
     /// (silent, slowloris and idle keep-alive connections).
     pub header_read_timeout: std::time::Duration,
+    /// A request body not read whole within this of its head gets 408.
+    pub body_read_timeout: std::time::Duration,
 }
 
 /// Serves HTTP on `http` and gRPC on `grpc` until `shutdown` resolves.
@@ -107,6 +109,7 @@ pub async fn run(
         limits: config.limits.clone(),
         model_name: config.model_name.clone(),
         body_limit: config.body_limit,
+        body_read_timeout: config.body_read_timeout,
         router_metrics,
         metrics,
         draining: AtomicBool::new(false),

@@ -67,6 +67,10 @@ struct Args {
     /// milliseconds is closed (silent, slowloris and idle keep-alive connections).
     #[arg(long, env = "PD_HEADER_READ_TIMEOUT_MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
     header_read_timeout_ms: u64,
+    /// A request body not read whole within this many milliseconds of its head is answered
+    /// 408 and its connection closed (a client trickling its body).
+    #[arg(long, env = "PD_BODY_READ_TIMEOUT_MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
+    body_read_timeout_ms: u64,
     /// Decode workers, host:port (DNS names are re-resolved on every request).
     #[arg(long, env = "PD_DECODE_WORKERS", value_delimiter = ',', required = true)]
     decode: Vec<String>,
@@ -134,6 +138,7 @@ async fn main() -> anyhow::Result<()> {
         tls: args.tls.files().map_err(anyhow::Error::msg)?,
         log_content: args.log_content,
         header_read_timeout: std::time::Duration::from_millis(args.header_read_timeout_ms),
+        body_read_timeout: std::time::Duration::from_millis(args.body_read_timeout_ms),
     };
     if args.check_config {
         println!("pd-router config ok: {config:?}");

@@ -142,6 +142,7 @@ async fn no_reachable_worker_is_503_and_not_ready() {
             tls: None,
             log_content: false,
             header_read_timeout: Duration::from_secs(30),
+        body_read_timeout: Duration::from_secs(30),
         };
         tokio::spawn(pd_router::run(config, http, grpc, std::future::pending()));
         format!("http://{addr}")
@@ -242,6 +243,36 @@ async fn silent_and_slowloris_connections_are_closed_after_the_header_read_timeo
         let text = String::from_utf8_lossy(&answer);
         assert!(answer.is_empty() || text.starts_with("HTTP/1.1 408"), "{what}: {text}");
     }
+    let health = reqwest::get(format!("{}/health", router.http)).await.expect("health");
+    assert_eq!(health.status(), 200, "the router still serves");
+}
+
+#[tokio::test]
+async fn a_trickled_body_gets_408_within_the_body_read_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let commits = Commits::default();
+    let (p, d) = (serve_prefill(FakePrefill::new(&commits)).await, serve_decode(FakeDecode::new(100, &commits)).await);
+    let router = start_router_config(vec![p], vec![d], |c| c.body_read_timeout = Duration::from_millis(300)).await;
+    let addr = router.http.trim_start_matches("http://").to_string();
+    let mut slow = tokio::net::TcpStream::connect(&addr).await.expect("connect");
+    let head = "POST /v1/completions HTTP/1.1\r\nhost: pd\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n";
+    slow.write_all(head.as_bytes()).await.expect("head");
+    slow.write_all(b"{\"prompt\":").await.expect("a few bytes of the body");
+    // Keep trickling a byte now and then; the answer must come anyway.
+    let trickle = async {
+        for _ in 0..20 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if slow.write_all(b" ").await.is_err() {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_millis(700), trickle).await;
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), slow.read(&mut answer)).await.expect("answered").expect("read");
+    let text = String::from_utf8_lossy(&answer[..n]);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("did not arrive within 300 ms"), "{text}");
     let health = reqwest::get(format!("{}/health", router.http)).await.expect("health");
     assert_eq!(health.status(), 200, "the router still serves");
 }

@@ -273,6 +273,7 @@ pub async fn start_router_config(
         tls: None,
         log_content: false,
         header_read_timeout: Duration::from_secs(30),
+        body_read_timeout: Duration::from_secs(30),
     };
     change(&mut config);
     let http = TcpListener::bind("127.0.0.1:0").await.expect("bind");
