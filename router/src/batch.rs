@@ -27,9 +27,8 @@ struct Merge {
 /// The updates of `parts` (one per prompt, each with `n` answers) as one request's.
 pub fn merge(parts: Vec<Updates>, n: usize) -> impl Stream<Item = Result<Update, RouterError>> + Send {
     let left = parts.len();
-    let parts = stream::select_all(
-        parts.into_iter().enumerate().map(|(i, u)| u.map(move |update| (i as u32, update)).boxed()),
-    );
+    let parts =
+        stream::select_all(parts.into_iter().enumerate().map(|(i, u)| u.map(move |update| (i as u32, update)).boxed()));
     let state = Merge { parts, left, n: n as u32, usage: (0, 0, 0), ended: false };
     stream::unfold(state, |mut m| async move {
         loop {
@@ -38,7 +37,8 @@ pub fn merge(parts: Vec<Updates>, n: usize) -> impl Stream<Item = Result<Update,
             }
             let Some((prompt, update)) = m.parts.next().await else {
                 m.ended = true;
-                let e = RouterError::Worker { stage: "relay", message: "a prompt's stream ended without its end".into() };
+                let e =
+                    RouterError::Worker { stage: "relay", message: "a prompt's stream ended without its end".into() };
                 return Some((Err(e), m));
             };
             let base = prompt * m.n;
@@ -100,7 +100,8 @@ mod tests {
 
     #[tokio::test]
     async fn prompts_number_their_choices_in_turn_and_end_once_with_every_usage() {
-        let a = part([vec![token(0, 5), token(1, 6)], end(0, 1).to_vec(), end(1, 1).to_vec(), vec![done(3, 2)]].concat());
+        let a =
+            part([vec![token(0, 5), token(1, 6)], end(0, 1).to_vec(), end(1, 1).to_vec(), vec![done(3, 2)]].concat());
         let b = part([vec![token(0, 7)], end(0, 1).to_vec(), end(1, 0).to_vec(), vec![done(4, 1)]].concat());
         let got: Vec<_> = merge(vec![a, b], 2).collect().await;
         let indexes: Vec<u32> = got

@@ -113,15 +113,13 @@ impl Responses {
                 }
                 Message::ChoiceDone(pb::ChoiceDone { index, finish_reason, completion_tokens })
             }
-            Ok(Update::Done { prompt_tokens, completion_tokens, cached_tokens }) => {
-                Message::Done(pb::GenerationDone {
-                    finish_reason: std::mem::take(&mut self.first_finish),
-                    prompt_tokens,
-                    completion_tokens,
-                    request_id: self.request_id.clone(),
-                    cached_tokens,
-                })
-            }
+            Ok(Update::Done { prompt_tokens, completion_tokens, cached_tokens }) => Message::Done(pb::GenerationDone {
+                finish_reason: std::mem::take(&mut self.first_finish),
+                prompt_tokens,
+                completion_tokens,
+                request_id: self.request_id.clone(),
+                cached_tokens,
+            }),
         };
         Some(Ok(pb::GenerateResponse { message: Some(message) }))
     }
@@ -154,7 +152,8 @@ impl Generation for GenerationService {
         let updates = lifecycle::start(self.state.scheduler.clone(), self.state.text.clone(), &valid, class, record)
             .await
             .map_err(|e| e.to_status())?;
-        let mut responses = Responses { request_id: id, side: self.state.text.clone(), n: valid.n, first_finish: String::new() };
+        let mut responses =
+            Responses { request_id: id, side: self.state.text.clone(), n: valid.n, first_finish: String::new() };
         Ok(Response::new(Box::pin(updates.filter_map(move |u| std::future::ready(responses.next(u))))))
     }
 }

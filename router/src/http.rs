@@ -265,7 +265,8 @@ async fn handle_batch(
         }
         let usage = Usage::new(prompt_tokens, completion_tokens, 0);
         let object = object_name(shape.kind, false);
-        return Json(Completion { id, object, created: unix_now(), model: shape.model, choices, usage }).into_response();
+        return Json(Completion { id, object, created: unix_now(), model: shape.model, choices, usage })
+            .into_response();
     }
     let mut parts = Vec::with_capacity(accepted.len());
     for (req, class, record) in accepted {

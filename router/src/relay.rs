@@ -138,11 +138,8 @@ impl Relay {
         };
         self.finished[i] = true;
         self.completion_tokens += f.completion_tokens;
-        let end = Update::Finished {
-            index: f.index,
-            finish_reason: f.finish_reason,
-            completion_tokens: f.completion_tokens,
-        };
+        let end =
+            Update::Finished { index: f.index, finish_reason: f.finish_reason, completion_tokens: f.completion_tokens };
         if self.finished.iter().any(|done| !done) {
             return Relayed::Send(end);
         }
@@ -276,7 +273,10 @@ mod tests {
         assert_eq!(relay.on_decode_event(token_of(2, 7, "Hi")), send_of(2, 7, "Hi"), "the same id elsewhere is real");
         let end_1 = Relayed::Send(Update::Finished { index: 1, finish_reason: "length".into(), completion_tokens: 2 });
         assert_eq!(relay.on_decode_event(finished_of(1, 2)), end_1);
-        assert!(matches!(relay.on_decode_event(token_of(1, 5, "b")), Relayed::Fail(_)), "nothing after an answer's end");
+        assert!(
+            matches!(relay.on_decode_event(token_of(1, 5, "b")), Relayed::Fail(_)),
+            "nothing after an answer's end"
+        );
 
         let mut relay = Relay::new(false, 2);
         assert!(matches!(relay.on_decode_event(finished_of(1, 3)), Relayed::Send(Update::Finished { index: 1, .. })));

@@ -31,7 +31,9 @@ pub struct Echoed {
 
 fn status_error(status: tonic::Status) -> RouterError {
     match status.code() {
-        tonic::Code::InvalidArgument => RouterError::InvalidRequest { message: status.message().to_string(), param: None },
+        tonic::Code::InvalidArgument => {
+            RouterError::InvalidRequest { message: status.message().to_string(), param: None }
+        }
         tonic::Code::ResourceExhausted => {
             RouterError::Overloaded { message: status.message().to_string(), retry_after_s: 1 }
         }
@@ -106,7 +108,8 @@ pub async fn echo(
             }
         }
     }
-    let mut text = tokenizer.decode(&req.prompt_tokens, false).map_err(|e| RouterError::Unprocessable(e.to_string()))?;
+    let mut text =
+        tokenizer.decode(&req.prompt_tokens, false).map_err(|e| RouterError::Unprocessable(e.to_string()))?;
     let (mut finish_reason, mut completion_tokens) = ("length".to_string(), 0);
     if req.params.max_tokens >= 1 {
         let mut tracker = OutputTracker::new(req.params.clone(), tokenizer);

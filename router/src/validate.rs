@@ -380,7 +380,9 @@ fn echo_tokens(p: &GenerateParams) -> Result<usize, RouterError> {
     match p.max_tokens {
         None | Some(0) => Ok(0),
         Some(1) => Ok(1),
-        Some(_) => refuse(p.max_tokens_field, "`max_tokens` must be 0 or 1 (the prompt is scored on a prefill worker alone)"),
+        Some(_) => {
+            refuse(p.max_tokens_field, "`max_tokens` must be 0 or 1 (the prompt is scored on a prefill worker alone)")
+        }
     }
 }
 

@@ -136,13 +136,18 @@ async fn no_reachable_worker_is_503_and_not_ready() {
             decode_workers: config_decode,
             classes: pd_router::classes::Classes::load(None).expect("classes"),
             schedule: pd_router::schedule::ScheduleConfig::default(),
-            limits: pd_router::Limits { max_tokens: 64, default_completion_tokens: 16, default_chat_tokens: 64, max_n: 8 },
+            limits: pd_router::Limits {
+                max_tokens: 64,
+                default_completion_tokens: 16,
+                default_chat_tokens: 64,
+                max_n: 8,
+            },
             body_limit: 1 << 20,
             drain_delay: Duration::ZERO,
             tls: None,
             log_content: false,
             header_read_timeout: Duration::from_secs(30),
-        body_read_timeout: Duration::from_secs(30),
+            body_read_timeout: Duration::from_secs(30),
         };
         tokio::spawn(pd_router::run(config, http, grpc, std::future::pending()));
         format!("http://{addr}")
@@ -255,7 +260,8 @@ async fn a_trickled_body_gets_408_within_the_body_read_timeout() {
     let router = start_router_config(vec![p], vec![d], |c| c.body_read_timeout = Duration::from_millis(300)).await;
     let addr = router.http.trim_start_matches("http://").to_string();
     let mut slow = tokio::net::TcpStream::connect(&addr).await.expect("connect");
-    let head = "POST /v1/completions HTTP/1.1\r\nhost: pd\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n";
+    let head =
+        "POST /v1/completions HTTP/1.1\r\nhost: pd\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n";
     slow.write_all(head.as_bytes()).await.expect("head");
     slow.write_all(b"{\"prompt\":").await.expect("a few bytes of the body");
     // Keep trickling a byte now and then; the answer must come anyway.
@@ -269,7 +275,8 @@ async fn a_trickled_body_gets_408_within_the_body_read_timeout() {
     };
     let _ = tokio::time::timeout(Duration::from_millis(700), trickle).await;
     let mut answer = vec![0u8; 4096];
-    let n = tokio::time::timeout(Duration::from_secs(5), slow.read(&mut answer)).await.expect("answered").expect("read");
+    let n =
+        tokio::time::timeout(Duration::from_secs(5), slow.read(&mut answer)).await.expect("answered").expect("read");
     let text = String::from_utf8_lossy(&answer[..n]);
     assert!(text.starts_with("HTTP/1.1 408"), "{text}");
     assert!(text.contains("did not arrive within 300 ms"), "{text}");

@@ -85,7 +85,13 @@ fn now_nanos() -> u64 {
 }
 
 fn token(id: u32, text: &str) -> pb::DecodeEvent {
-    let t = pb::TokenEvent { token_id: id, text: text.into(), server_time_unix_nanos: now_nanos(), logprobs: None, index: 0 };
+    let t = pb::TokenEvent {
+        token_id: id,
+        text: text.into(),
+        server_time_unix_nanos: now_nanos(),
+        logprobs: None,
+        index: 0,
+    };
     pb::DecodeEvent { event: Some(pb::decode_event::Event::Token(t)) }
 }
 

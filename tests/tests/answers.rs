@@ -52,7 +52,11 @@ fn engine_answer(question: &str, max_tokens: usize) -> String {
 }
 
 /// Answers by index over the public gRPC API, with each answer's `choice_done` and the end.
-async fn grpc_answers(cluster: &Cluster, n: u32, seed: u64) -> (Vec<Vec<u32>>, Vec<pb::ChoiceDone>, pb::GenerationDone) {
+async fn grpc_answers(
+    cluster: &Cluster,
+    n: u32,
+    seed: u64,
+) -> (Vec<Vec<u32>>, Vec<pb::ChoiceDone>, pb::GenerationDone) {
     let mut client =
         pb::generation_client::GenerationClient::connect(format!("http://{}", cluster.grpc)).await.expect("grpc");
     let request = pb::GenerateRequest {
@@ -131,20 +135,18 @@ async fn n_answers_share_one_prefill_and_its_kv() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn colocated_answers_and_a_batch_too_small_for_them() {
-    let options = Options {
-        prefill: 0,
-        decode_args: vec!["--max-batch".into(), "3".into()],
-        ..Options::default()
-    };
+    let options = Options { prefill: 0, decode_args: vec!["--max-batch".into(), "3".into()], ..Options::default() };
     let cluster = Cluster::start_with(options).await;
     let body = |n: u32| json!({ "messages": [{ "role": "user", "content": QUESTION }], "max_tokens": 10, "temperature": 0, "n": n });
     let expected = engine_answer(QUESTION, 10);
     assert_eq!(contents(&chat(&cluster, body(3)).await), vec![expected; 3], "prefilled on the decode worker");
-    let r = reqwest::Client::new().post(cluster.url("/v1/chat/completions")).json(&body(4)).send().await.expect("request");
+    let r =
+        reqwest::Client::new().post(cluster.url("/v1/chat/completions")).json(&body(4)).send().await.expect("request");
     assert_eq!(r.status().as_u16(), 400);
     let v: Value = r.json().await.expect("json");
     assert!(v["error"]["message"].as_str().unwrap_or_default().contains("n (4)"), "{v}");
-    let r = reqwest::Client::new().post(cluster.url("/v1/chat/completions")).json(&body(99)).send().await.expect("request");
+    let r =
+        reqwest::Client::new().post(cluster.url("/v1/chat/completions")).json(&body(99)).send().await.expect("request");
     let v: Value = r.json().await.expect("json");
     assert_eq!(v["error"]["param"], "n", "above the router's --max-n: {v}");
     cluster.wait_kv_free(Duration::from_secs(5)).await;

@@ -555,7 +555,10 @@ mod tests {
         );
         assert_eq!(param(Kind::Completion, r#"{"messages":[]}"#).as_deref(), Some("messages"));
         assert_eq!(param(Kind::Chat, r#"{"prompt":"x"}"#).as_deref(), Some("prompt"));
-        assert_eq!(param(Kind::Chat, r#"{"messages":[{"role":"user","content":"x"}],"n":"two"}"#).as_deref(), Some("n"));
+        assert_eq!(
+            param(Kind::Chat, r#"{"messages":[{"role":"user","content":"x"}],"n":"two"}"#).as_deref(),
+            Some("n")
+        );
     }
 
     #[test]

@@ -267,7 +267,12 @@ pub async fn start_router_config(
         decode_workers: decode,
         classes: pd_router::classes::Classes::load(None).expect("classes"),
         schedule: pd_router::schedule::ScheduleConfig::default(),
-        limits: pd_router::Limits { max_tokens: 4096, default_completion_tokens: 16, default_chat_tokens: 512, max_n: 8 },
+        limits: pd_router::Limits {
+            max_tokens: 4096,
+            default_completion_tokens: 16,
+            default_chat_tokens: 512,
+            max_n: 8,
+        },
         body_limit: 1 << 20,
         drain_delay: Duration::ZERO,
         tls: None,
