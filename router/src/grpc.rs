@@ -11,12 +11,14 @@ use pd_proto::v1 as pb;
 use tonic::{Request, Response, Status};
 
 use crate::api::logprobs::with_texts;
+use crate::api::request::{FunctionCallIn, FunctionSpec, Message, ToolCallIn, ToolSpec};
 use crate::classes::CLASS_HEADER;
 use crate::error::RouterError;
 use crate::http::AppState;
 use crate::lifecycle;
 use crate::record::{client_request_id, Arrival};
 use crate::relay::Update;
+use crate::tools::Tools;
 use crate::validate::{GenerateParams, Input, Kind, LogitParams, Role};
 
 /// The public service's full name (what reflection lists and health reports on).
@@ -28,18 +30,66 @@ pub struct GenerationService {
     pub state: Arc<AppState>,
 }
 
+/// A gRPC chat message as the HTTP API's (the same checks and rendering).
+fn message_from_pb(i: usize, m: pb::ChatMessage) -> Result<(Role, String), RouterError> {
+    let role = Role::parse(&m.role).ok_or_else(|| {
+        RouterError::invalid(
+            &format!("messages[{i}].role"),
+            format!("role `{}` is not system, user, assistant or tool", m.role),
+        )
+    })?;
+    let calls = m.tool_calls.into_iter().map(|c| ToolCallIn {
+        id: Some(c.id).filter(|id| !id.is_empty()),
+        kind: None,
+        function: FunctionCallIn { name: c.name, arguments: c.arguments },
+    });
+    let message = Message {
+        role,
+        content: Some(serde_json::Value::String(m.content)).filter(|c| c.as_str() != Some("")),
+        name: None,
+        tool_calls: Some(calls.collect::<Vec<_>>()).filter(|c| !c.is_empty()),
+        tool_call_id: Some(m.tool_call_id).filter(|id| !id.is_empty()),
+    };
+    message.turn(i)
+}
+
+/// The request's tools as the HTTP API's `tools`, `tool_choice`, `parallel_tool_calls`.
+fn tools_from_pb(req: &mut pb::GenerateRequest) -> Result<Option<Tools>, RouterError> {
+    let mut specs = Vec::with_capacity(req.tools.len());
+    for (i, f) in std::mem::take(&mut req.tools).into_iter().enumerate() {
+        let parameters =
+            match f.parameters_json.trim() {
+                "" => None,
+                text => Some(serde_json::from_str(text).map_err(|e| {
+                    RouterError::invalid(&format!("tools[{i}].parameters_json"), format!("not JSON: {e}"))
+                })?),
+            };
+        let function = FunctionSpec {
+            name: f.name,
+            description: Some(f.description).filter(|d| !d.is_empty()),
+            parameters,
+            strict: None,
+        };
+        specs.push(ToolSpec { kind: "function".into(), function });
+    }
+    let choice = match (req.tool_choice.as_str(), req.tool_choice_function.as_str()) {
+        ("", "") => None,
+        (c, "") => Some(serde_json::Value::String(c.to_string())),
+        ("", name) => Some(serde_json::json!({"type": "function", "function": {"name": name}})),
+        _ => return Err(RouterError::invalid("tool_choice", "set `tool_choice` or `tool_choice_function`, not both")),
+    };
+    let parallel = Some(req.parallel_tool_calls).filter(|&p| p);
+    crate::api::request::tools(Some(specs).filter(|s| !s.is_empty()), choice, parallel)
+}
+
 /// A gRPC request as the parameters validation checks.
-pub fn params_from_pb(req: pb::GenerateRequest) -> Result<GenerateParams, RouterError> {
+pub fn params_from_pb(mut req: pb::GenerateRequest) -> Result<GenerateParams, RouterError> {
+    let tools = tools_from_pb(&mut req)?;
     let (kind, input) = match (req.prompt.is_empty(), req.messages.is_empty()) {
+        (false, true) if tools.is_some() => return Err(RouterError::invalid("tools", "`tools` need `messages`")),
         (false, true) => (Kind::Completion, Input::Prompt(req.prompt)),
         (true, false) => {
-            let messages = req.messages.into_iter().enumerate().map(|(i, m)| match Role::parse(&m.role) {
-                Some(role) => Ok((role, m.content)),
-                None => Err(RouterError::invalid(
-                    &format!("messages[{i}].role"),
-                    format!("role `{}` is not system, user or assistant", m.role),
-                )),
-            });
+            let messages = req.messages.into_iter().enumerate().map(|(i, m)| message_from_pb(i, m));
             (Kind::Chat, Input::Messages(messages.collect::<Result<_, _>>()?))
         }
         _ => return Err(RouterError::invalid("prompt", "set exactly one of `prompt` and `messages`")),
@@ -57,9 +107,18 @@ pub fn params_from_pb(req: pb::GenerateRequest) -> Result<GenerateParams, Router
         logprobs: s.logprobs.then_some(s.top_logprobs as u64),
         logprobs_field: "sampling.top_logprobs",
     };
-    let constraint = pd_kv_transfer::convert::constraint_from_pb(s.constraint.as_ref())
+    let mut constraint = pd_kv_transfer::convert::constraint_from_pb(s.constraint.as_ref())
         .map_err(|e| RouterError::invalid(e.field, e.message))?
         .map(|c| (c, "sampling.constraint"));
+    if let Some(forced) = tools.as_ref().and_then(Tools::constraint) {
+        if constraint.is_some() {
+            return Err(RouterError::invalid(
+                "sampling.constraint",
+                "`sampling.constraint` and a required tool call cannot both constrain the output",
+            ));
+        }
+        constraint = Some((forced, "tools"));
+    }
     Ok(GenerateParams {
         constraint,
         kind,
@@ -78,40 +137,68 @@ pub fn params_from_pb(req: pb::GenerateRequest) -> Result<GenerateParams, Router
         include_usage: true,
         logits,
         user: None,
-        tools: None,
+        tools,
         n: Some(req.n as u64).filter(|&n| n > 0),
         echo: false,
     })
 }
 
 /// Turns a request's updates into its gRPC messages: `choice_done` per answer when there
-/// are several, `done` (with answer 0's finish reason) at the end.
+/// are several, `done` (with answer 0's finish reason) at the end. With tools each answer's
+/// text is kept so its calls can be parsed when it ends.
 struct Responses {
     request_id: String,
     side: Arc<TextSide>,
     n: usize,
+    tools: Option<Arc<Tools>>,
+    texts: Vec<String>,
     first_finish: String,
+    first_calls: Vec<pb::ToolCall>,
 }
 
 impl Responses {
+    fn new(request_id: String, side: Arc<TextSide>, req: &crate::validate::ValidRequest) -> Self {
+        let texts = vec![String::new(); if req.tools.is_some() { req.n } else { 0 }];
+        let (first_finish, first_calls) = (String::new(), Vec::new());
+        Responses { request_id, side, n: req.n, tools: req.tools.clone(), texts, first_finish, first_calls }
+    }
+
+    /// Answer `index`'s calls (and "tool_calls" as its finish reason when it made any).
+    fn calls(&mut self, index: u32, finish_reason: &mut String) -> Vec<pb::ToolCall> {
+        let (Some(tools), Some(text)) = (&self.tools, self.texts.get_mut(index as usize)) else { return Vec::new() };
+        let (_, calls) = crate::tools::parse(&std::mem::take(text), tools);
+        if !calls.is_empty() {
+            *finish_reason = "tool_calls".into();
+        }
+        let id = || format!("call_{}", uuid::Uuid::now_v7().simple());
+        calls.into_iter().map(|c| pb::ToolCall { id: id(), name: c.name, arguments: c.arguments }).collect()
+    }
+
     fn next(&mut self, update: Result<Update, RouterError>) -> Option<Result<pb::GenerateResponse, Status>> {
         use pb::generate_response::Message;
         let message = match update {
             Err(e) => return Some(Err(e.to_status())),
-            Ok(Update::Token { index, token_id, text, logprobs }) => Message::Token(pb::GeneratedToken {
-                token_id,
-                text,
-                logprobs: logprobs.map(|l| with_texts(&self.side.tokenizer, token_id, l)),
-                index,
-            }),
-            Ok(Update::Finished { index, finish_reason, completion_tokens }) => {
+            Ok(Update::Token { index, token_id, text, logprobs }) => {
+                if let Some(t) = self.texts.get_mut(index as usize) {
+                    t.push_str(&text);
+                }
+                Message::Token(pb::GeneratedToken {
+                    token_id,
+                    text,
+                    logprobs: logprobs.map(|l| with_texts(&self.side.tokenizer, token_id, l)),
+                    index,
+                })
+            }
+            Ok(Update::Finished { index, mut finish_reason, completion_tokens }) => {
+                let tool_calls = self.calls(index, &mut finish_reason);
                 if index == 0 {
                     self.first_finish = finish_reason.clone();
                 }
                 if self.n == 1 {
+                    self.first_calls = tool_calls;
                     return None;
                 }
-                Message::ChoiceDone(pb::ChoiceDone { index, finish_reason, completion_tokens })
+                Message::ChoiceDone(pb::ChoiceDone { index, finish_reason, completion_tokens, tool_calls })
             }
             Ok(Update::Done { prompt_tokens, completion_tokens, cached_tokens }) => Message::Done(pb::GenerationDone {
                 finish_reason: std::mem::take(&mut self.first_finish),
@@ -119,6 +206,7 @@ impl Responses {
                 completion_tokens,
                 request_id: self.request_id.clone(),
                 cached_tokens,
+                tool_calls: std::mem::take(&mut self.first_calls),
             }),
         };
         Some(Ok(pb::GenerateResponse { message: Some(message) }))
@@ -152,8 +240,7 @@ impl Generation for GenerationService {
         let updates = lifecycle::start(self.state.scheduler.clone(), self.state.text.clone(), &valid, class, record)
             .await
             .map_err(|e| e.to_status())?;
-        let mut responses =
-            Responses { request_id: id, side: self.state.text.clone(), n: valid.n, first_finish: String::new() };
+        let mut responses = Responses::new(id, self.state.text.clone(), &valid);
         Ok(Response::new(Box::pin(updates.filter_map(move |u| std::future::ready(responses.next(u))))))
     }
 }

@@ -37,9 +37,9 @@ impl Role {
         }
     }
 
-    /// A role by name; `tool` only over HTTP, where a message can say which call it answers.
+    /// A role by name.
     pub fn parse(s: &str) -> Option<Self> {
-        [Role::System, Role::User, Role::Assistant].into_iter().find(|r| r.as_str() == s)
+        [Role::System, Role::User, Role::Assistant, Role::Tool].into_iter().find(|r| r.as_str() == s)
     }
 }
 

@@ -305,7 +305,7 @@ async fn grpc_generate_streams_the_same_tokens_and_names_the_request() {
     let (router, _, _) = cluster().await;
     let mut client = pb::generation_client::GenerationClient::connect(router.grpc.clone()).await.expect("connect");
     let request = pb::GenerateRequest {
-        messages: vec![pb::ChatMessage { role: "user".into(), content: "Hi".into() }],
+        messages: vec![pb::ChatMessage { role: "user".into(), content: "Hi".into(), ..Default::default() }],
         sampling: Some(pb::SamplingParams { max_tokens: 4, ..Default::default() }),
         request_id: "grpc-1".into(),
         ..Default::default()
@@ -520,7 +520,8 @@ async fn every_bad_http_input_gets_its_status_and_names_the_field() {
 async fn every_bad_grpc_input_is_invalid_argument_naming_the_field() {
     let (router, decode, _) = cluster().await;
     let mut client = pb::generation_client::GenerationClient::connect(router.grpc.clone()).await.expect("connect");
-    let user = |content: &str| vec![pb::ChatMessage { role: "user".into(), content: content.into() }];
+    let user =
+        |content: &str| vec![pb::ChatMessage { role: "user".into(), content: content.into(), ..Default::default() }];
     let sampling = |f: fn(&mut pb::SamplingParams)| {
         let mut s = pb::SamplingParams { max_tokens: 4, ..Default::default() };
         f(&mut s);
@@ -535,7 +536,7 @@ async fn every_bad_grpc_input_is_invalid_argument_naming_the_field() {
         ),
         (
             pb::GenerateRequest {
-                messages: vec![pb::ChatMessage { role: "robot".into(), content: "x".into() }],
+                messages: vec![pb::ChatMessage { role: "robot".into(), content: "x".into(), ..Default::default() }],
                 ..Default::default()
             },
             tonic::Code::InvalidArgument,
@@ -601,7 +602,7 @@ async fn grpc_and_http_chat_take_the_same_default_length() {
     let (router, decode, _) = cluster().await;
     let mut client = pb::generation_client::GenerationClient::connect(router.grpc.clone()).await.expect("connect");
     let request = pb::GenerateRequest {
-        messages: vec![pb::ChatMessage { role: "user".into(), content: "Hi".into() }],
+        messages: vec![pb::ChatMessage { role: "user".into(), content: "Hi".into(), ..Default::default() }],
         ..Default::default()
     };
     let mut stream = client.generate(request).await.expect("generate").into_inner();

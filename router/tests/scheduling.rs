@@ -77,7 +77,7 @@ async fn over_the_class_queue_budget_is_429_with_retry_after_at_once_on_http_and
 
     let mut client = pb::generation_client::GenerationClient::connect(router.grpc.clone()).await.expect("connect");
     let request = pb::GenerateRequest {
-        messages: vec![pb::ChatMessage { role: "user".into(), content: "Hi".into() }],
+        messages: vec![pb::ChatMessage { role: "user".into(), content: "Hi".into(), ..Default::default() }],
         sampling: Some(pb::SamplingParams { max_tokens: 2, ..Default::default() }),
         ..Default::default()
     };

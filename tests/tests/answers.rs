@@ -60,7 +60,7 @@ async fn grpc_answers(
     let mut client =
         pb::generation_client::GenerationClient::connect(format!("http://{}", cluster.grpc)).await.expect("grpc");
     let request = pb::GenerateRequest {
-        messages: vec![pb::ChatMessage { role: "user".into(), content: QUESTION.into() }],
+        messages: vec![pb::ChatMessage { role: "user".into(), content: QUESTION.into(), ..Default::default() }],
         sampling: Some(pb::SamplingParams { max_tokens: 12, temperature: 1.0, seed: Some(seed), ..Default::default() }),
         n,
         ..Default::default()
@@ -186,5 +186,109 @@ async fn echo_scores_the_prompt_on_a_prefill_worker_alone() {
     let bad = json!({ "prompt": [1, 999_999], "echo": true, "logprobs": 1, "max_tokens": 0 });
     let r = reqwest::Client::new().post(cluster.url("/v1/completions")).json(&bad).send().await.expect("request");
     assert_eq!(r.status().as_u16(), 400);
+    cluster.wait_kv_free(Duration::from_secs(5)).await;
+}
+
+/// One gRPC generation's text, its end and its parsed calls.
+async fn grpc_chat(cluster: &Cluster, request: pb::GenerateRequest) -> (String, pb::GenerationDone) {
+    let mut client =
+        pb::generation_client::GenerationClient::connect(format!("http://{}", cluster.grpc)).await.expect("grpc");
+    let mut stream = client.generate(request).await.expect("generate").into_inner();
+    let (mut text, mut done) = (String::new(), None);
+    while let Some(m) = stream.message().await.expect("message") {
+        match m.message {
+            Some(pb::generate_response::Message::Token(t)) => text.push_str(&t.text),
+            Some(pb::generate_response::Message::Done(d)) => done = Some(d),
+            Some(pb::generate_response::Message::ChoiceDone(c)) => panic!("one answer has no choice_done: {c:?}"),
+            None => {}
+        }
+    }
+    (text, done.expect("done"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_tools_force_a_call_and_take_its_result_back() {
+    let cluster = Cluster::start(1).await;
+    let weather = pb::Function {
+        name: "get_weather".into(),
+        description: "The current weather in a city".into(),
+        parameters_json: r#"{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}"#.into(),
+    };
+    let ask =
+        pb::ChatMessage { role: "user".into(), content: "What is the weather in Paris?".into(), ..Default::default() };
+    let request = pb::GenerateRequest {
+        messages: vec![ask.clone()],
+        sampling: Some(pb::SamplingParams { max_tokens: 60, ..Default::default() }),
+        tools: vec![weather.clone()],
+        tool_choice_function: "get_weather".into(),
+        ..Default::default()
+    };
+    let (text, done) = grpc_chat(&cluster, request).await;
+    assert_eq!(done.finish_reason, "tool_calls", "{text:?} {done:?}");
+    let call = done.tool_calls.first().unwrap_or_else(|| panic!("a call: {done:?}"));
+    assert_eq!(call.name, "get_weather");
+    let args: Value = serde_json::from_str(&call.arguments).expect("arguments are JSON");
+    assert!(args["city"].is_string(), "the arguments follow the schema: {args}");
+    assert!(call.id.starts_with("call_"), "{call:?}");
+
+    // The call and its result back in the conversation; `none` answers in text.
+    let turns = vec![
+        ask,
+        pb::ChatMessage { role: "assistant".into(), tool_calls: vec![call.clone()], ..Default::default() },
+        pb::ChatMessage {
+            role: "tool".into(),
+            tool_call_id: call.id.clone(),
+            content: r#"{"temperature_c": 21}"#.into(),
+            ..Default::default()
+        },
+    ];
+    let request = pb::GenerateRequest {
+        messages: turns,
+        sampling: Some(pb::SamplingParams { max_tokens: 24, ..Default::default() }),
+        tools: vec![weather.clone()],
+        tool_choice: "none".into(),
+        ..Default::default()
+    };
+    let (text, done) = grpc_chat(&cluster, request).await;
+    assert!(done.tool_calls.is_empty() && done.finish_reason != "tool_calls", "{text:?} {done:?}");
+    assert!(!text.is_empty());
+
+    // Refusals name the field, as over HTTP.
+    let mut client =
+        pb::generation_client::GenerationClient::connect(format!("http://{}", cluster.grpc)).await.expect("grpc");
+    for (request, field) in [
+        (
+            pb::GenerateRequest {
+                messages: vec![pb::ChatMessage { role: "user".into(), content: "x".into(), ..Default::default() }],
+                tools: vec![pb::Function {
+                    name: "f".into(),
+                    parameters_json: "{not json".into(),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            },
+            "tools[0].parameters_json",
+        ),
+        (
+            pb::GenerateRequest {
+                messages: vec![pb::ChatMessage { role: "user".into(), content: "x".into(), ..Default::default() }],
+                tools: vec![weather.clone()],
+                tool_choice_function: "nope".into(),
+                ..Default::default()
+            },
+            "tool_choice",
+        ),
+        (
+            pb::GenerateRequest {
+                messages: vec![pb::ChatMessage { role: "tool".into(), content: "x".into(), ..Default::default() }],
+                ..Default::default()
+            },
+            "tool_call_id",
+        ),
+    ] {
+        let status = client.generate(request).await.expect_err("refused");
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        assert!(status.message().contains(field), "{field}: {status:?}");
+    }
     cluster.wait_kv_free(Duration::from_secs(5)).await;
 }

@@ -115,7 +115,7 @@ async fn greedy_matches_the_engine(cluster: &Cluster, engine: &Engine) {
         assert_eq!(body["usage"]["prompt_tokens"], prompt.len());
 
         let request = pb::GenerateRequest {
-            messages: vec![pb::ChatMessage { role: "user".into(), content: question.into() }],
+            messages: vec![pb::ChatMessage { role: "user".into(), content: question.into(), ..Default::default() }],
             sampling: Some(pb::SamplingParams {
                 max_tokens: 24,
                 logprobs: true,

@@ -201,7 +201,7 @@ impl Message {
 
 /// `tools`, `tool_choice` and `parallel_tool_calls` as the request's tools (None without
 /// tools); a choice naming an unknown function is refused.
-fn tools(
+pub(crate) fn tools(
     specs: Option<Vec<ToolSpec>>,
     choice: Option<Value>,
     parallel: Option<bool>,
