@@ -198,8 +198,8 @@ async fn handle(state: Arc<AppState>, kind: Kind, headers: HeaderMap, body: Body
         _ => read_body(&state, &headers, body).await.and_then(|b| request::decode(kind, &b)),
     };
     if let Some(p) = params.as_ref().ok().filter(|p| matches!(p.input, Input::Batch(_))) {
-        drop(arrival); // each prompt arrives as its own request
-        return handle_batch(state, &headers, client_id.and_then(Result::ok), p.clone()).await;
+        // Each prompt arrives as its own request (the first one keeps this arrival).
+        return handle_batch(state, &headers, arrival, client_id.and_then(Result::ok), p.clone()).await;
     }
     let id = AppState::request_id();
     let (req, class, record) = match state.accept(arrival, caller, params, id.clone()).await {
@@ -226,6 +226,7 @@ async fn handle(state: Arc<AppState>, kind: Kind, headers: HeaderMap, body: Body
 async fn handle_batch(
     state: Arc<AppState>,
     headers: &HeaderMap,
+    arrival: Arrival,
     client_id: Option<String>,
     mut p: GenerateParams,
 ) -> Response {
@@ -234,9 +235,10 @@ async fn handle_batch(
     };
     let cx = pd_telemetry::otel::extract_headers(headers);
     let mut accepted = Vec::with_capacity(prompts.len());
+    let mut kept = Some(arrival);
     for input in prompts {
         let one = GenerateParams { input, ..p.clone() };
-        let arrival = Arrival::new(&cx).with_client_id(client_id.clone());
+        let arrival = kept.take().unwrap_or_else(|| Arrival::new(&cx).with_client_id(client_id.clone()));
         let caller = state.caller(
             headers.get(CLASS_HEADER).map(|v| v.as_bytes()),
             headers.get(header::AUTHORIZATION).map(|v| v.as_bytes()),
