@@ -473,7 +473,7 @@ const HTTP_CASES: &[(&str, &str, &str, u16, Option<&str>)] = &[
     ("/v1/chat/completions", "application/json", r#"{"prompt":"x"}"#, 400, Some("prompt")),
     ("/v1/completions", "application/json", r#"{}"#, 400, Some("prompt")),
     ("/v1/completions", "application/json", r#"{"prompt":""}"#, 400, Some("prompt")),
-    ("/v1/completions", "application/json", r#"{"prompt":["a","b"]}"#, 400, Some("prompt")),
+    ("/v1/completions", "application/json", r#"{"prompt":["a",""]}"#, 400, Some("prompt")),
     ("/v1/completions", "application/json", r#"{"prompt":5}"#, 400, Some("prompt")),
     ("/v1/completions", "application/json", r#"{"prompt":"x","messages":[]}"#, 400, Some("messages")),
     ("/v1/completions", "application/json", r#"{"prompt":"x","max_tokens":8000}"#, 400, Some("max_tokens")),

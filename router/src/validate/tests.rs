@@ -161,5 +161,6 @@ fn a_request_without_a_seed_gets_a_fresh_one_and_a_given_seed_is_kept() {
 #[test]
 fn roles_parse_by_name() {
     assert_eq!(Role::parse("assistant"), Some(Role::Assistant));
-    assert_eq!(Role::parse("tool"), None);
+    assert_eq!(Role::parse("tool"), Some(Role::Tool));
+    assert_eq!(Role::parse("robot"), None);
 }
