@@ -64,6 +64,12 @@ pub struct Relay {
 
 /// The gRPC status of a decode worker as the router's error.
 pub fn decode_error(status: tonic::Status) -> RouterError {
+    worker_status_error("decode", status)
+}
+
+/// The gRPC status of a worker at `stage` as the router's error: its refusal of the request
+/// (400), its lack of room (429), or its failure.
+pub fn worker_status_error(stage: &'static str, status: tonic::Status) -> RouterError {
     match status.code() {
         tonic::Code::InvalidArgument => {
             RouterError::InvalidRequest { message: status.message().to_string(), param: None }
@@ -71,7 +77,7 @@ pub fn decode_error(status: tonic::Status) -> RouterError {
         tonic::Code::ResourceExhausted => {
             RouterError::Overloaded { message: status.message().to_string(), retry_after_s: 1 }
         }
-        _ => RouterError::Worker { stage: "decode", message: status.message().to_string() },
+        _ => RouterError::Worker { stage, message: status.message().to_string() },
     }
 }
 

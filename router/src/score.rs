@@ -14,6 +14,7 @@ use crate::api::logprobs::Logprobs;
 use crate::error::RouterError;
 use crate::prefill::traced;
 use crate::record::{PrefillTimings, RequestRecord};
+use crate::relay::worker_status_error;
 use crate::schedule::Scheduler;
 use crate::validate::ValidRequest;
 
@@ -27,18 +28,6 @@ pub struct Echoed {
     pub logprobs: Option<Logprobs>,
     pub finish_reason: String,
     pub completion_tokens: u32,
-}
-
-fn status_error(status: tonic::Status) -> RouterError {
-    match status.code() {
-        tonic::Code::InvalidArgument => {
-            RouterError::InvalidRequest { message: status.message().to_string(), param: None }
-        }
-        tonic::Code::ResourceExhausted => {
-            RouterError::Overloaded { message: status.message().to_string(), retry_after_s: 1 }
-        }
-        _ => RouterError::Worker { stage: "prefill", message: status.message().to_string() },
-    }
 }
 
 /// Scores `req`'s prompt on a prefill worker (see the module docs).
@@ -67,10 +56,10 @@ async fn scored(
             }
             Err(status) if status.code() == tonic::Code::Unavailable => {
                 scheduler.pools.prefill.forget(&addr);
-                last = status_error(status);
+                last = worker_status_error("prefill", status);
                 tried.push(addr);
             }
-            Err(status) => return Err(status_error(status)),
+            Err(status) => return Err(worker_status_error("prefill", status)),
         }
     }
     Err(last)
