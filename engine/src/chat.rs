@@ -7,16 +7,22 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
 
-/// One chat message.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One chat message. An assistant's earlier calls and a tool message's call id are given to
+/// templates that render tools themselves, in the shape Hugging Face templates read
+/// (`tool_calls[i].function.arguments` as an object, as transformers passes them).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: &str, content: &str) -> Self {
-        ChatMessage { role: role.to_string(), content: content.to_string() }
+        ChatMessage { role: role.to_string(), content: content.to_string(), tool_calls: None, tool_call_id: None }
     }
 }
 
@@ -28,6 +34,8 @@ pub struct ChatTemplate {
     eos_token: String,
     /// The template refers to a `tools` variable (renders tool definitions itself).
     uses_tools: bool,
+    /// The template's text (which tool-call format the model was taught is read from it).
+    source: String,
 }
 
 const NAME: &str = "chat";
@@ -43,12 +51,18 @@ impl ChatTemplate {
         env.add_template_owned(NAME, source.to_string())
             .map_err(|e| EngineError::ChatTemplate(format!("does not compile: {e}")))?;
         let uses_tools = source.contains("tools");
-        Ok(ChatTemplate { env, bos_token: bos_token.to_string(), eos_token: eos_token.to_string(), uses_tools })
+        let (bos_token, eos_token, source) = (bos_token.to_string(), eos_token.to_string(), source.to_string());
+        Ok(ChatTemplate { env, bos_token, eos_token, uses_tools, source })
     }
 
     /// Whether the template renders tool definitions itself (its `tools` variable).
     pub fn uses_tools(&self) -> bool {
         self.uses_tools
+    }
+
+    /// The template's source text.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// The prompt text for `messages`, ending with the assistant's turn opener when

@@ -19,7 +19,7 @@ use crate::lifecycle;
 use crate::record::{client_request_id, Arrival};
 use crate::relay::Update;
 use crate::tools::Tools;
-use crate::validate::{GenerateParams, Input, Kind, LogitParams, Role};
+use crate::validate::{GenerateParams, Input, Kind, LogitParams, Role, Turn};
 
 /// The public service's full name (what reflection lists and health reports on).
 pub const SERVICE: &str = "pd.v1.Generation";
@@ -31,7 +31,7 @@ pub struct GenerationService {
 }
 
 /// A gRPC chat message as the HTTP API's (the same checks and rendering).
-fn message_from_pb(i: usize, m: pb::ChatMessage) -> Result<(Role, String), RouterError> {
+fn message_from_pb(i: usize, m: pb::ChatMessage) -> Result<Turn, RouterError> {
     let role = Role::parse(&m.role).ok_or_else(|| {
         RouterError::invalid(
             &format!("messages[{i}].role"),
@@ -107,18 +107,9 @@ pub fn params_from_pb(mut req: pb::GenerateRequest) -> Result<GenerateParams, Ro
         logprobs: s.logprobs.then_some(s.top_logprobs as u64),
         logprobs_field: "sampling.top_logprobs",
     };
-    let mut constraint = pd_kv_transfer::convert::constraint_from_pb(s.constraint.as_ref())
+    let constraint = pd_kv_transfer::convert::constraint_from_pb(s.constraint.as_ref())
         .map_err(|e| RouterError::invalid(e.field, e.message))?
         .map(|c| (c, "sampling.constraint"));
-    if let Some(forced) = tools.as_ref().and_then(Tools::constraint) {
-        if constraint.is_some() {
-            return Err(RouterError::invalid(
-                "sampling.constraint",
-                "`sampling.constraint` and a required tool call cannot both constrain the output",
-            ));
-        }
-        constraint = Some((forced, "tools"));
-    }
     Ok(GenerateParams {
         constraint,
         kind,

@@ -20,13 +20,16 @@ use pd_proto::v1 as pb;
 
 use crate::api::logprobs::Logprobs;
 use crate::api::request;
-use crate::api::response::{object_name, Choice, Chunk, ChunkChoice, Completion, ModelList, ToolCall, Usage};
+use crate::api::response::{
+    object_name, Choice, Chunk, ChunkChoice, Completion, ModelList, ToolCall, ToolCallDelta, Usage,
+};
 use crate::classes::{Class, CLASS_HEADER};
 use crate::error::RouterError;
 use crate::lifecycle;
 use crate::record::{client_request_id, Arrival, RequestRecord};
 use crate::relay::Update;
 use crate::schedule::Scheduler;
+use crate::tools::{CallStream, Piece};
 use crate::validate::{validate, GenerateParams, Input, Kind, Limits, ValidRequest};
 use pd_telemetry::metrics::RouterMetrics;
 use pd_telemetry::{Metrics, RequestClass};
@@ -310,11 +313,31 @@ struct Answer {
     logprobs: Option<Logprobs>,
     /// Streaming: the role went out with the answer's first chunk.
     started: bool,
+    /// Streaming with tools: the answer read for calls as it comes.
+    calls: Option<CallStream>,
 }
 
 impl Answer {
     fn new(req: &ValidRequest) -> Self {
-        Answer { text: String::new(), logprobs: req.params.logprobs.map(|_| Logprobs::new(req.kind)), started: false }
+        let logprobs = req.params.logprobs.map(|_| Logprobs::new(req.kind));
+        let calls = req.tools.clone().filter(|_| req.stream).map(CallStream::new);
+        Answer { text: String::new(), logprobs, started: false, calls }
+    }
+
+    /// The chunks of `pieces` (content and pieces of calls); the log probabilities so far go
+    /// with the first.
+    fn chunks(&mut self, kind: Kind, index: u32, pieces: Vec<Piece>) -> Vec<ChunkChoice> {
+        let mut out = Vec::with_capacity(pieces.len());
+        for piece in pieces {
+            let first = !std::mem::replace(&mut self.started, true);
+            let logprobs = self.logprobs.as_mut().map(Logprobs::take).filter(|l| !l.is_empty());
+            let choice = match piece {
+                Piece::Content(text) => ChunkChoice::token(kind, text, first, logprobs),
+                call => ChunkChoice::tool_call(ToolCallDelta::of(call).expect("a piece of a call"), first, logprobs),
+            };
+            out.push(choice.at(index));
+        }
+        out
     }
 
     fn push(&mut self, side: &TextSide, token_id: u32, text: &str, logprobs: Option<&pb::TokenLogprobs>) {
@@ -360,7 +383,7 @@ async fn collect_response(
                 let (text, logprobs) = (std::mem::take(&mut answer.text), answer.logprobs.take());
                 let choice = match req.tools.as_deref().map(|t| crate::tools::parse(&text, t)) {
                     Some((content, calls)) if !calls.is_empty() => {
-                        Choice::with_tool_calls(content, ToolCall::all(calls, false), logprobs)
+                        Choice::with_tool_calls(content, ToolCall::all(calls), logprobs)
                     }
                     _ => Choice::of(req.kind, text, finish_reason, logprobs),
                 };
@@ -386,9 +409,10 @@ async fn collect_response(
 
 /// Server-sent events: a chunk per token (of answer `index`), each answer's finish chunk,
 /// the usage chunk if asked, then `[DONE]`; a failure ends the stream with an `error` event
-/// instead. With tools an answer is held until it ends (whether it is a call is known only
-/// then): one chunk with its text, or one with its `tool_calls` and `finish_reason:
-/// "tool_calls"`.
+/// instead. With tools an answer's text is read for calls as it comes (`tools::CallStream`):
+/// its content streams as text, each call as OpenAI's `delta.tool_calls` pieces (id and name,
+/// then the arguments as they are written), and an answer of complete calls finishes with
+/// `tool_calls`.
 fn stream_response(
     req: ValidRequest,
     id: String,
@@ -404,38 +428,25 @@ fn stream_response(
         Event::default().data(serde_json::to_string(&chunk).unwrap_or_default())
     };
     let mut answers = Answers::new(&req);
-    let tools = req.tools.clone();
     let events = updates.flat_map(move |update| {
         let out: Vec<Event> = match update {
             Ok(Update::Token { index, token_id, text, logprobs: l }) => {
                 let answer = answers.get(index);
                 answer.push(&side, token_id, &text, l.as_ref());
-                if tools.is_some() {
-                    answer.text.push_str(&text);
-                    Vec::new()
-                } else {
-                    let this = answer.logprobs.as_mut().map(Logprobs::take);
-                    let first = !std::mem::replace(&mut answer.started, true);
-                    vec![chunk(vec![ChunkChoice::token(kind, text, first, this).at(index)], None)]
-                }
+                let pieces = match &mut answer.calls {
+                    Some(calls) => calls.push(&text),
+                    None => vec![Piece::Content(text)],
+                };
+                answer.chunks(kind, index, pieces).into_iter().map(|c| chunk(vec![c], None)).collect()
             }
             Ok(Update::Finished { index, mut finish_reason, .. }) => {
                 let answer = answers.get(index);
-                let mut out = Vec::new();
-                if let Some(tools) = &tools {
-                    let (content, calls) = crate::tools::parse(&std::mem::take(&mut answer.text), tools);
-                    let this = answer.logprobs.as_mut().map(Logprobs::take);
-                    if calls.is_empty() {
-                        out.push(chunk(vec![ChunkChoice::token(kind, content, true, this).at(index)], None));
-                    } else {
-                        if !content.trim().is_empty() {
-                            out.push(chunk(vec![ChunkChoice::token(kind, content, true, this).at(index)], None));
-                        }
-                        let calls = ChunkChoice::tool_calls(ToolCall::all(calls, true), out.is_empty());
-                        out.push(chunk(vec![calls.at(index)], None));
-                        finish_reason = "tool_calls".into();
-                    }
+                let (pieces, made_calls) = answer.calls.as_mut().map(CallStream::finish).unwrap_or_default();
+                if made_calls {
+                    finish_reason = "tool_calls".into();
                 }
+                let mut out: Vec<Event> =
+                    answer.chunks(kind, index, pieces).into_iter().map(|c| chunk(vec![c], None)).collect();
                 out.push(chunk(vec![ChunkChoice::finish(kind, finish_reason).at(index)], None));
                 out
             }

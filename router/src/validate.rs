@@ -7,7 +7,7 @@ use pd_engine::{ChatMessage, OutputConstraint, SamplingParams, TextSide};
 use serde::Deserialize;
 
 use crate::error::RouterError;
-use crate::tools::Tools;
+use crate::tools::{PastCall, Tools};
 
 /// Which API shape a request came in (and which defaults apply).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,11 +43,53 @@ impl Role {
     }
 }
 
+/// One chat turn as a front end read it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Turn {
+    pub role: Role,
+    pub content: String,
+    /// An assistant turn's calls.
+    pub calls: Vec<PastCall>,
+    /// A `tool` turn: the call it answers.
+    pub call_id: Option<String>,
+}
+
+impl Turn {
+    pub fn new(role: Role, content: &str) -> Self {
+        Turn { role, content: content.to_string(), calls: Vec::new(), call_id: None }
+    }
+
+    /// The turn for a template that renders tools itself: calls and call id as fields.
+    fn structured(&self) -> ChatMessage {
+        let mut m = ChatMessage::new(self.role.as_str(), &self.content);
+        if !self.calls.is_empty() {
+            m.tool_calls = Some(self.calls.iter().map(PastCall::as_template_json).collect());
+        }
+        m.tool_call_id = self.call_id.clone();
+        m
+    }
+
+    /// The turn for a template that knows nothing of tools: Hermes text (`tools.rs`).
+    fn as_text(&self) -> ChatMessage {
+        if self.role == Role::Tool {
+            return ChatMessage::new("user", &crate::tools::response_text(&self.content));
+        }
+        let mut text = self.content.clone();
+        for call in &self.calls {
+            if !text.is_empty() {
+                text.push('\n');
+            }
+            text.push_str(&crate::tools::call_text(&call.name, &call.arguments));
+        }
+        ChatMessage::new(self.role.as_str(), &text)
+    }
+}
+
 /// The text to generate from.
 #[derive(Debug, Clone)]
 pub enum Input {
     Prompt(String),
-    Messages(Vec<(Role, String)>),
+    Messages(Vec<Turn>),
     /// A completion prompt given as token ids.
     Tokens(Vec<u32>),
     /// Several completion prompts (`batch`: each one its own request).
@@ -162,6 +204,9 @@ pub fn validate(
         }
         Some(n) => n as usize,
     };
+    if let Some(tools) = p.tools.as_mut() {
+        force_call(tools, &mut p.constraint, text)?;
+    }
     let (field, prompt_tokens) = tokenize(&p.input, p.tools.as_ref().filter(|t| t.active()), text)?;
     let context = text.max_position;
     if prompt_tokens.len() >= context {
@@ -331,11 +376,12 @@ fn tokenize(input: &Input, tools: Option<&Tools>, text: &TextSide) -> Result<(&'
 }
 
 /// Chat messages (and tools) through the model's template (`generation_prompt`: ending with
-/// the opening of the assistant's turn). A template that does not render tools itself gets
-/// the Hermes tool prompt in the system message and `tool` turns as `<tool_response>` user
-/// turns (`tools.rs`).
+/// the opening of the assistant's turn). A template that renders tools itself gets them, the
+/// earlier calls and the tool results as its variables; one that does not gets the Hermes
+/// tool prompt in the system message, calls as `<tool_call>` text and `tool` turns as
+/// `<tool_response>` user turns (`tools.rs`).
 pub fn render_chat(
-    messages: &[(Role, String)],
+    messages: &[Turn],
     tools: Option<&Tools>,
     text: &TextSide,
     generation_prompt: bool,
@@ -345,13 +391,8 @@ pub fn render_chat(
         .as_ref()
         .ok_or_else(|| RouterError::invalid("messages", "the model has no chat template"))?;
     let native = template.uses_tools();
-    let mut turns: Vec<ChatMessage> = messages
-        .iter()
-        .map(|(role, content)| match (role, native) {
-            (Role::Tool, false) => ChatMessage::new("user", &crate::tools::response_text(content)),
-            (role, _) => ChatMessage::new(role.as_str(), content),
-        })
-        .collect();
+    let mut turns: Vec<ChatMessage> =
+        messages.iter().map(|t| if native { t.structured() } else { t.as_text() }).collect();
     let listed = tools.map(Tools::as_json);
     if let (Some(tools), false) = (tools, native) {
         match turns.first_mut().filter(|m| m.role == "system") {
@@ -362,6 +403,28 @@ pub fn render_chat(
     template
         .render_with_tools(&turns, listed.as_deref().filter(|_| native), generation_prompt)
         .map_err(|e| RouterError::invalid("messages", e.to_string()))
+}
+
+/// Sets the tools' format from the model's chat template and, for `required` or a named
+/// function, makes the call the output's constraint (in that format).
+fn force_call(
+    tools: &mut Tools,
+    constraint: &mut Option<(OutputConstraint, &'static str)>,
+    text: &TextSide,
+) -> Result<(), RouterError> {
+    if let Some(template) = &text.chat_template {
+        tools.format = crate::tools::ToolFormat::of_template(template.source(), template.uses_tools());
+    }
+    if let Some(forced) = tools.constraint() {
+        if let Some((_, field)) = constraint {
+            return Err(RouterError::invalid(
+                field,
+                format!("`{field}` and a required tool call cannot both constrain the output"),
+            ));
+        }
+        *constraint = Some((forced, "tools"));
+    }
+    Ok(())
 }
 
 /// `max_tokens` of an echo request: 0 or 1 (the prefill worker's own first token), default 0;

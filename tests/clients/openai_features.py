@@ -164,14 +164,31 @@ for tool_choice in ({"type": "function", "function": {"name": "get_weather"}}, "
           r.choices[0].finish_reason == "tool_calls" and len(calls) == 1 and calls[0].function.name == "get_weather", r)
     args = json.loads(calls[0].function.arguments)
     check("the call's arguments match the schema", isinstance(args.get("city"), str), args)
-streamed_calls = []
-finish = None
+# Streamed, the call arrives as OpenAI streams it: a first delta with its id and name, then
+# the arguments in pieces as the model writes them, adding up to the whole answer's.
+whole = chat(messages=ask, tools=[weather], tool_choice="required", max_tokens=60, temperature=0)
+pieces, finish = [], None
 for chunk in chat(messages=ask, tools=[weather], tool_choice="required", max_tokens=60, temperature=0, stream=True):
     if chunk.choices and chunk.choices[0].delta.tool_calls:
-        streamed_calls += chunk.choices[0].delta.tool_calls
+        pieces += chunk.choices[0].delta.tool_calls
     if chunk.choices and chunk.choices[0].finish_reason:
         finish = chunk.choices[0].finish_reason
-check("streamed tool calls arrive as delta.tool_calls", finish == "tool_calls" and streamed_calls[0].function.name == "get_weather", streamed_calls)
+check("streamed tool calls arrive as delta.tool_calls", finish == "tool_calls" and pieces and pieces[0].function.name == "get_weather" and pieces[0].id, pieces)
+arguments = "".join(p.function.arguments or "" for p in pieces)
+check("streamed arguments come in several deltas and add up to the whole answer's",
+      len(pieces) > 2 and all(p.index == 0 for p in pieces) and all(p.id is None for p in pieces[1:])
+      and arguments == whole.choices[0].message.tool_calls[0].function.arguments, (arguments, pieces))
+# With `auto` the model chooses; streamed, its answer is what the whole answer is.
+auto_whole = chat(messages=ask, tools=[weather], max_tokens=40, temperature=0).choices[0]
+content, auto_pieces, auto_finish = "", [], None
+for chunk in chat(messages=ask, tools=[weather], max_tokens=40, temperature=0, stream=True):
+    if chunk.choices:
+        content += chunk.choices[0].delta.content or ""
+        auto_pieces += chunk.choices[0].delta.tool_calls or []
+        auto_finish = chunk.choices[0].finish_reason or auto_finish
+check("tool_choice auto streamed answers as the whole answer does",
+      (content or None) == (auto_whole.message.content or None) and auto_finish == auto_whole.finish_reason
+      and len([p for p in auto_pieces if p.id]) == len(auto_whole.message.tool_calls or []), (content, auto_pieces, auto_whole))
 turns = ask + [
     {"role": "assistant", "content": None, "tool_calls": [{"id": calls[0].id, "type": "function", "function": {"name": "get_weather", "arguments": calls[0].function.arguments}}]},
     {"role": "tool", "tool_call_id": calls[0].id, "content": json.dumps({"temperature_c": 21, "sky": "sunny"})},

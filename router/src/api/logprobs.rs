@@ -131,6 +131,14 @@ impl Logprobs {
         }
     }
 
+    /// No positions.
+    pub fn is_empty(&self) -> bool {
+        match self {
+            Logprobs::Chat(c) => c.content.is_empty(),
+            Logprobs::Completion(c, _) => c.tokens.is_empty(),
+        }
+    }
+
     /// The positions added since the last `take` (one stream chunk's), keeping the text offset.
     pub fn take(&mut self) -> Logprobs {
         match self {

@@ -6,10 +6,10 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::error::RouterError;
-use crate::validate::{GenerateParams, Input, Kind, LogitParams, Role};
+use crate::validate::{GenerateParams, Input, Kind, LogitParams, Role, Turn};
 use pd_engine::OutputConstraint;
 
-use crate::tools::{check_name, Function, ToolChoice, Tools};
+use crate::tools::{check_name, Function, PastCall, ToolChoice, Tools};
 
 /// `stop`: a string or a list of strings.
 #[derive(Debug, Deserialize)]
@@ -147,11 +147,10 @@ pub struct FunctionSpec {
 }
 
 impl Message {
-    /// The message as one turn: its role and text (text parts joined; an assistant's tool
-    /// calls appended as the model writes them), checked for what its role needs.
-    pub fn turn(self, i: usize) -> Result<(Role, String), RouterError> {
+    /// The message as one turn (text parts joined), checked for what its role needs.
+    pub fn turn(self, i: usize) -> Result<Turn, RouterError> {
         let field = |f: &str| format!("messages[{i}].{f}");
-        let mut text = match self.content {
+        let text = match self.content {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) => Some(s),
             Some(Value::Array(parts)) => {
@@ -184,18 +183,20 @@ impl Message {
             if serde_json::from_str::<Value>(&call.function.arguments).is_err() {
                 return Err(RouterError::invalid(&format!("{f}.function.arguments"), "`arguments` must be JSON text"));
             }
-            let _ = &call.id;
-            let rendered = crate::tools::call_text(&call.function.name, &call.function.arguments);
-            text = Some(match text {
-                Some(t) if !t.is_empty() => format!("{t}\n{rendered}"),
-                _ => rendered,
-            });
         }
         if self.role == Role::Tool && self.tool_call_id.is_none() {
             return Err(RouterError::invalid(&field("tool_call_id"), "a `tool` message needs `tool_call_id`"));
         }
-        let text = text.ok_or_else(|| RouterError::invalid(&field("content"), "`content` is required"))?;
-        Ok((self.role, text))
+        let content = match text {
+            Some(t) => t,
+            None if !calls.is_empty() => String::new(),
+            None => return Err(RouterError::invalid(&field("content"), "`content` is required")),
+        };
+        let calls = calls
+            .into_iter()
+            .map(|c| PastCall { id: c.id, name: c.function.name, arguments: c.function.arguments })
+            .collect();
+        Ok(Turn { role: self.role, content, calls, call_id: self.tool_call_id })
     }
 }
 
@@ -265,7 +266,7 @@ pub(crate) fn tools(
             ToolChoice::Named(name.to_string())
         }
     };
-    Ok(Some(Tools { functions, choice, parallel: parallel.unwrap_or(false) }))
+    Ok(Some(Tools { functions, choice, parallel: parallel.unwrap_or(false), format: Default::default() }))
 }
 
 /// Decodes a JSON object body into `T`: syntax errors are 400, a body that is not an object
@@ -461,16 +462,7 @@ fn params(kind: Kind, input: Input, mut c: OpenAiRequest) -> Result<GeneratePara
         return Err(RouterError::invalid(field, format!("`{field}` belongs to /v1/chat/completions")));
     }
     let tools = tools(c.tools.take(), c.tool_choice.take(), c.parallel_tool_calls)?;
-    let mut constraint = constraint(&mut c)?;
-    if let Some(forced) = tools.as_ref().and_then(Tools::constraint) {
-        if let Some((_, field)) = constraint {
-            return Err(RouterError::invalid(
-                field,
-                format!("`{field}` and a required tool call cannot both constrain the output"),
-            ));
-        }
-        constraint = Some((forced, "tools"));
-    }
+    let constraint = constraint(&mut c)?;
     let logits = LogitParams {
         frequency_penalty: c.frequency_penalty,
         presence_penalty: c.presence_penalty,

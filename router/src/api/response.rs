@@ -39,11 +39,9 @@ pub struct AssistantMessage {
     pub tool_calls: Option<Vec<ToolCall>>,
 }
 
-/// One call in `message.tool_calls` (and, with `index`, in a stream's `delta.tool_calls`).
+/// One call in `message.tool_calls`.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct ToolCall {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub index: Option<u32>,
     pub id: String,
     #[serde(rename = "type")]
     pub kind: &'static str,
@@ -58,15 +56,54 @@ pub struct FunctionCall {
 }
 
 impl ToolCall {
-    /// The calls of one answer, each with a fresh id (and its index when streamed).
-    pub fn all(calls: Vec<crate::tools::ParsedCall>, streamed: bool) -> Vec<ToolCall> {
-        let call = |(i, c): (usize, crate::tools::ParsedCall)| ToolCall {
-            index: streamed.then_some(i as u32),
+    /// The calls of one answer, each with a fresh id.
+    pub fn all(calls: Vec<crate::tools::ParsedCall>) -> Vec<ToolCall> {
+        let call = |c: crate::tools::ParsedCall| ToolCall {
             id: format!("call_{}", uuid::Uuid::now_v7().simple()),
             kind: "function",
             function: FunctionCall { name: c.name, arguments: c.arguments },
         };
-        calls.into_iter().enumerate().map(call).collect()
+        calls.into_iter().map(call).collect()
+    }
+}
+
+/// A piece of a call in a stream's `delta.tool_calls`: the first names the call (id, type,
+/// name, empty arguments), the next ones add to its arguments.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ToolCallDelta {
+    pub index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionDelta,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct FunctionDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
+}
+
+impl ToolCallDelta {
+    /// The delta of a stream's piece of a call (None for content).
+    pub fn of(piece: crate::tools::Piece) -> Option<Self> {
+        match piece {
+            crate::tools::Piece::Content(_) => None,
+            crate::tools::Piece::Call { index, id, name } => Some(ToolCallDelta {
+                index,
+                id: Some(id),
+                kind: Some("function"),
+                function: FunctionDelta { name: Some(name), arguments: String::new() },
+            }),
+            crate::tools::Piece::Arguments { index, text } => Some(ToolCallDelta {
+                index,
+                id: None,
+                kind: None,
+                function: FunctionDelta { name: None, arguments: text },
+            }),
+        }
     }
 }
 
@@ -96,7 +133,7 @@ pub struct Delta {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub tool_calls: Option<Vec<ToolCall>>,
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 /// One choice of a stream chunk.
@@ -193,10 +230,10 @@ impl ChunkChoice {
         }
     }
 
-    /// A chat chunk carrying an answer's tool calls whole.
-    pub fn tool_calls(calls: Vec<ToolCall>, first: bool) -> Self {
-        let delta = Delta { role: first.then_some("assistant"), content: None, tool_calls: Some(calls) };
-        ChunkChoice::Delta { index: 0, delta, finish_reason: None, logprobs: None }
+    /// A chat chunk carrying a piece of a tool call.
+    pub fn tool_call(call: ToolCallDelta, first: bool, logprobs: Option<Logprobs>) -> Self {
+        let delta = Delta { role: first.then_some("assistant"), content: None, tool_calls: Some(vec![call]) };
+        ChunkChoice::Delta { index: 0, delta, finish_reason: None, logprobs }
     }
 
     /// The chunk that ends the choice.

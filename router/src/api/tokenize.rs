@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::api::request::Message;
 use crate::error::RouterError;
-use crate::validate::{render_chat, Role};
+use crate::validate::{render_chat, Turn};
 use pd_engine::TextSide;
 
 /// `/tokenize`: a `prompt`, or chat `messages` rendered with the template.
@@ -62,7 +62,7 @@ pub fn tokenize(r: TokenizeRequest, text: &TextSide, served: &str) -> Result<Tok
         (Some(p), None) => ("prompt", p),
         (None, Some(messages)) => {
             let turns = messages.into_iter().enumerate().map(|(i, m)| m.turn(i));
-            let messages: Vec<(Role, String)> = turns.collect::<Result<_, _>>()?;
+            let messages: Vec<Turn> = turns.collect::<Result<_, _>>()?;
             ("messages", render_chat(&messages, None, text, r.add_generation_prompt.unwrap_or(true))?)
         }
         _ => return Err(RouterError::invalid("prompt", "set exactly one of `prompt` and `messages`")),

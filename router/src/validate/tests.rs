@@ -72,7 +72,7 @@ fn sampling_fields_are_checked_by_name() {
         ("prompt", Box::new(|p| p.input = Input::Prompt(String::new()))),
         ("prompt", Box::new(|p| p.input = Input::Prompt("a".repeat(64)))),
         ("messages", Box::new(|p| p.input = Input::Messages(Vec::new()))),
-        ("messages", Box::new(|p| p.input = Input::Messages(vec![(Role::User, "hi".into())]))),
+        ("messages", Box::new(|p| p.input = Input::Messages(vec![Turn::new(Role::User, "hi")]))),
         ("prompt[1]", Box::new(|p| p.input = Input::Tokens(vec![1, 64]))),
         ("stop_token_ids", Box::new(|p| p.stop_token_ids = vec![99])),
         ("frequency_penalty", Box::new(|p| p.logits.frequency_penalty = Some(2.5))),
@@ -163,4 +163,59 @@ fn roles_parse_by_name() {
     assert_eq!(Role::parse("assistant"), Some(Role::Assistant));
     assert_eq!(Role::parse("tool"), Some(Role::Tool));
     assert_eq!(Role::parse("robot"), None);
+}
+
+/// A short template in the manner of Llama 3.1's: tools in the prompt, earlier calls written
+/// by the template from `tool_calls` (arguments as an object), tool results by role.
+const LLAMA_LIKE: &str = "{%- if tools %}Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}. {{ tools | tojson }}\n{%- endif %}\
+    {%- for m in messages %}<{{ m.role }}>\
+    {%- if m.tool_calls %}{%- for c in m.tool_calls %}<|python_tag|>{\"name\": \"{{ c.function.name }}\", \"parameters\": {{ c.function.arguments | tojson }}}{%- endfor %}\
+    {%- elif m.role == 'tool' %}[{{ m.tool_call_id }}] {{ m.content }}{%- else %}{{ m.content }}{%- endif %}\n{%- endfor %}\
+    {%- if add_generation_prompt %}<assistant>{%- endif %}";
+
+#[test]
+fn a_template_that_renders_tools_gets_them_and_the_calls_as_fields_and_sets_the_format() {
+    use crate::tools::{Function, PastCall, ToolChoice, ToolFormat, Tools};
+    let chat_template = pd_engine::ChatTemplate::new(LLAMA_LIKE, "", "").expect("compiles");
+    let text = TextSide {
+        tokenizer: Tokenizer::characters().expect("tokenizer"),
+        chat_template: Some(chat_template),
+        max_position: 4096,
+    };
+    let weather = Function {
+        name: "get_weather".into(),
+        description: None,
+        parameters: serde_json::json!({"type": "object", "properties": {"city": {"type": "string"}}}),
+    };
+    let call =
+        PastCall { id: Some("call_1".into()), name: "get_weather".into(), arguments: r#"{"city":"Paris"}"#.into() };
+    let turns = vec![
+        Turn::new(Role::User, "Weather in Paris?"),
+        Turn { calls: vec![call], ..Turn::new(Role::Assistant, "") },
+        Turn { call_id: Some("call_1".into()), ..Turn::new(Role::Tool, "sunny") },
+    ];
+    let tools = Tools {
+        functions: vec![weather],
+        choice: ToolChoice::Named("get_weather".into()),
+        parallel: false,
+        format: ToolFormat::Hermes,
+    };
+    let rendered = render_chat(&turns, Some(&tools), &text, true).expect("renders");
+    assert!(
+        rendered.contains(r#"<|python_tag|>{"name": "get_weather", "parameters": {"city":"Paris"}}"#),
+        "{rendered}"
+    );
+    assert!(rendered.contains("<tool>[call_1] sunny") && rendered.contains("\"get_weather\""), "{rendered}");
+    assert!(!rendered.contains("<tool_call>"), "no Hermes prompt for a template with tools: {rendered}");
+
+    let mut p = completion("x");
+    p.kind = Kind::Chat;
+    p.input = Input::Messages(turns);
+    p.tools = Some(tools);
+    let r = validate(p, &text, "m", &LIMITS).expect("valid");
+    assert_eq!(r.tools.as_ref().map(|t| t.format), Some(ToolFormat::Llama3Json));
+    match &r.params.constraint {
+        Some(OutputConstraint::Lark(g)) => assert!(g.contains("\"parameters\"") && !g.contains("<tool_call>"), "{g}"),
+        other => panic!("a forced call is a grammar in the model's format: {other:?}"),
+    }
 }

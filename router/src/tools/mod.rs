@@ -1,17 +1,27 @@
-//! Tool calling in the Hermes format (Qwen 2.5, Hermes and other ChatML models): the tools are
-//! described to the model in the system message, the model answers with
-//! `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, and those are parsed into
-//! OpenAI's `tool_calls`. `tool_choice` `required` or a named function is enforced by an output
-//! constraint (a Lark grammar embedding each function's JSON schema), so the arguments always
-//! parse and match the schema; `auto` lets the model choose; `none` leaves the tools out.
+//! Tool calling: the tools are described to the model, its answer is read for calls in the
+//! format its chat template teaches (`format.rs`: Hermes `<tool_call>`, Llama 3.1 JSON,
+//! Mistral `[TOOL_CALLS]`), whole (`scan.rs`) or as a stream of OpenAI deltas (`stream.rs`).
+//! `tool_choice` `required` or a named function is enforced by an output constraint (a Lark
+//! grammar embedding each function's JSON schema, in the model's format), so the arguments
+//! always parse and match the schema; `auto` lets the model choose; `none` leaves the tools out.
 //!
-//! A chat template that renders `tools` itself gets them as its `tools` variable; for one that
-//! does not (SmolLM2's), the Hermes system prompt below is added, and `tool` messages are
-//! rendered as user turns holding `<tool_response>` blocks, as Qwen 2.5's template does.
+//! A chat template that renders `tools` itself gets them as its `tools` variable, and the
+//! conversation's earlier calls and tool results as structured messages; for one that does
+//! not (SmolLM2's), the Hermes system prompt below is added, earlier calls are written back as
+//! `<tool_call>` blocks and `tool` messages as user turns holding `<tool_response>` blocks, as
+//! Qwen 2.5's template does.
+
+mod format;
+mod scan;
+mod stream;
 
 use pd_engine::OutputConstraint;
 use serde::Serialize;
 use serde_json::{json, Value};
+
+pub use format::ToolFormat;
+pub use scan::parse;
+pub use stream::{CallStream, Piece};
 
 use crate::error::RouterError;
 
@@ -42,6 +52,8 @@ pub struct Tools {
     /// a required answer is one call (a small model otherwise repeats its call until the
     /// length limit cuts it); `auto` answers are parsed for any number of calls either way.
     pub parallel: bool,
+    /// How the model writes calls (set from the chat template when the request is validated).
+    pub format: ToolFormat,
 }
 
 /// Longest function name (OpenAI's limit), made of letters, digits, `_` and `-`.
@@ -102,32 +114,17 @@ impl Tools {
     }
 
     /// The constraint that makes the answer one call (or several, with `parallel`) of the
-    /// allowed functions with schema-valid arguments: for `required` and a named function.
+    /// allowed functions with schema-valid arguments, in the model's format: for `required`
+    /// and a named function.
     pub fn constraint(&self) -> Option<OutputConstraint> {
         let allowed: Vec<&Function> = match &self.choice {
             ToolChoice::None | ToolChoice::Auto => return None,
             ToolChoice::Required => self.functions.iter().collect(),
             ToolChoice::Named(n) => self.functions.iter().filter(|f| &f.name == n).collect(),
         };
-        let calls: Vec<Value> = allowed
-            .iter()
-            .map(|f| {
-                json!({
-                    "type": "object",
-                    "properties": {"name": {"const": f.name}, "arguments": f.parameters},
-                    "required": ["name", "arguments"],
-                    "additionalProperties": false
-                })
-            })
-            .collect();
-        let mut schema = if calls.len() == 1 { calls[0].clone() } else { json!({"anyOf": calls}) };
-        // One compact line, as the Hermes format shows it: no room for a model to wander in
-        // whitespace until the length limit cuts the call.
-        schema["x-guidance"] = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
-        let more = if self.parallel && self.choice == ToolChoice::Required { r#" ("\n" call)*"# } else { "" };
-        Some(OutputConstraint::Lark(format!(
-            "start: call{more}\ncall: \"<tool_call>\\n\" args \"\\n</tool_call>\"\nargs: %json {schema}\n"
-        )))
+        let calls = allowed.iter().map(|f| self.format.call_schema(&f.name, &f.parameters)).collect();
+        let several = self.parallel && self.choice == ToolChoice::Required;
+        Some(OutputConstraint::Lark(self.format.grammar(calls, several)))
     }
 }
 
@@ -139,65 +136,46 @@ pub struct ParsedCall {
     pub arguments: String,
 }
 
-/// Splits an answer into its text before the first call and the calls (Hermes blocks whose
-/// JSON names a function of `tools`). No well-formed call: the whole text, no calls.
-pub fn parse(text: &str, tools: &Tools) -> (String, Vec<ParsedCall>) {
-    const OPEN: &str = "<tool_call>";
-    const CLOSE: &str = "</tool_call>";
-    let Some(first) = text.find(OPEN) else { return (text.to_string(), Vec::new()) };
-    let mut calls = Vec::new();
-    let mut rest = &text[first..];
-    while let Some(start) = rest.find(OPEN) {
-        let body = &rest[start + OPEN.len()..];
-        let (inner, next) = match body.find(CLOSE) {
-            Some(end) => (&body[..end], &body[end + CLOSE.len()..]),
-            None => (body, ""),
-        };
-        let Ok(v) = serde_json::from_str::<Value>(inner.trim()) else { return (text.to_string(), Vec::new()) };
-        let name = v["name"].as_str().unwrap_or_default();
-        if !tools.functions.iter().any(|f| f.name == name) {
-            return (text.to_string(), Vec::new());
+/// A call in an earlier assistant turn of the conversation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PastCall {
+    pub id: Option<String>,
+    pub name: String,
+    /// JSON text, checked.
+    pub arguments: String,
+}
+
+impl PastCall {
+    /// The call as Hugging Face templates read it (arguments as an object).
+    pub fn as_template_json(&self) -> Value {
+        let arguments: Value =
+            serde_json::from_str(&self.arguments).unwrap_or_else(|_| Value::String(self.arguments.clone()));
+        let mut call = json!({"type": "function", "function": {"name": self.name, "arguments": arguments}});
+        if let Some(id) = &self.id {
+            call["id"] = Value::String(id.clone());
         }
-        let arguments = match &v["arguments"] {
-            Value::String(s) => s.clone(),
-            Value::Null => "{}".to_string(),
-            other => other.to_string(),
-        };
-        calls.push(ParsedCall { name: name.to_string(), arguments });
-        rest = next;
+        call
     }
-    (text[..first].trim_end().to_string(), calls)
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn tools(choice: ToolChoice) -> Tools {
+    pub(crate) fn tools(choice: ToolChoice) -> Tools {
         let weather = Function {
             name: "get_weather".into(),
             description: Some("Weather in a city".into()),
             parameters: json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
         };
         let time = Function { name: "get_time".into(), description: None, parameters: json!({"type": "object"}) };
-        Tools { functions: vec![weather, time], choice, parallel: true }
+        Tools { functions: vec![weather, time], choice, parallel: true, format: ToolFormat::Hermes }
     }
 
     #[test]
-    fn hermes_calls_are_parsed_and_anything_else_stays_text() {
-        let t = tools(ToolChoice::Auto);
-        let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>{\"name\":\"get_time\",\"arguments\":{}}</tool_call>";
-        let (content, calls) = parse(text, &t);
-        assert_eq!(content, "Let me check.");
-        assert_eq!(calls.len(), 2);
-        assert_eq!((calls[0].name.as_str(), calls[0].arguments.as_str()), ("get_weather", r#"{"city":"Paris"}"#));
-        for plain in
-            ["no call here", "<tool_call>{not json}</tool_call>", "<tool_call>{\"name\":\"rm_rf\"}</tool_call>"]
-        {
-            assert_eq!(parse(plain, &t), (plain.to_string(), Vec::new()), "{plain}");
-        }
+    fn a_call_written_back_parses_as_the_same_call() {
         assert_eq!(
-            parse(&call_text("get_time", "{}"), &t).1,
+            parse(&call_text("get_time", "{}"), &tools(ToolChoice::Auto)).1,
             vec![ParsedCall { name: "get_time".into(), arguments: "{}".into() }]
         );
     }
@@ -217,5 +195,9 @@ mod tests {
         assert!(required.contains("anyOf") && required.contains("call)*"), "{required}");
         assert!(tools(ToolChoice::Auto).system_prompt().contains("\"name\":\"get_weather\""));
         assert!(check_name("get-weather_2", "f").is_ok() && check_name("bad name", "f").is_err());
+        let mut llama = tools(ToolChoice::Named("get_weather".into()));
+        llama.format = ToolFormat::Llama3Json;
+        let Some(OutputConstraint::Lark(g)) = llama.constraint() else { panic!("a grammar") };
+        assert!(g.contains("\"parameters\"") && !g.contains("<tool_call>"), "{g}");
     }
 }
