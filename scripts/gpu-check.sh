@@ -44,6 +44,11 @@ if [[ "${1:-}" == "pack" ]]; then
 fi
 [[ "${1:-}" == "run" ]] || { echo "usage: $0 pack|run" >&2; exit 2; }
 
+# Here a skip is a failure, and so is any step that fails: the check exits non-zero then.
+export PD_REQUIRE_GPU=1
+failures=()
+failed() { failures+=("$1"); echo "FAILED: $1"; }
+
 out="${OUT:-$PWD/gpu-out}"
 mkdir -p "$out" /tmp/pd-gpu/bin /tmp/pd-gpu/models
 log="$out/gpu-check.log"
@@ -73,27 +78,39 @@ echo "== libraries"; ldd /tmp/pd-gpu/bin/pd-engine-bench | grep -E "cuda|cublas|
 
 echo "== GPU tests ($(elapsed))"
 timeout 90 /tmp/pd-gpu/bin/gpu-tests --test-threads 1 --nocapture 2>&1 | tee "$out/gpu-tests.txt"
-echo "gpu tests exit ${PIPESTATUS[0]}" | tee -a "$out/gpu-tests.txt"
+rc=${PIPESTATUS[0]}
+echo "gpu tests exit $rc" | tee -a "$out/gpu-tests.txt"
+[[ $rc == 0 ]] || failed "gpu tests (exit $rc)"
+grep -q "skipped: no CUDA device" "$out/gpu-tests.txt" && failed "a GPU test skipped"
 
 echo "== checkpoints ($(elapsed))"
-timeout 120 python3 scripts/gpu/make_models.py /tmp/pd-gpu/models llama-3.2-1b llama-3.1-8b
+timeout 120 python3 scripts/gpu/make_models.py /tmp/pd-gpu/models llama-3.2-1b llama-3.1-8b || failed "checkpoints"
 
 bench() { # model, timeout, extra args
     local model=$1 limit=$2
     shift 2
-    [[ -f /tmp/pd-gpu/models/$model/model.safetensors ]] || { echo "no $model checkpoint"; return; }
+    [[ -f /tmp/pd-gpu/models/$model/model.safetensors ]] || { failed "no $model checkpoint"; return; }
     echo "== pd-engine-bench $model ($(elapsed))"
     timeout "$limit" /tmp/pd-gpu/bin/pd-engine-bench --model "/tmp/pd-gpu/models/$model" --device cuda \
         --weights f16 --kv-cache f16 --chunk 2048 --context 1024 --steps 16 "$@" 2>&1 | tee "$out/bench-$model.md"
-    echo "exit ${PIPESTATUS[0]} after $(elapsed)" | tee -a "$out/bench-$model.md"
+    local rc=${PIPESTATUS[0]}
+    echo "exit $rc after $(elapsed)" | tee -a "$out/bench-$model.md"
+    [[ $rc == 0 ]] || failed "pd-engine-bench $model (exit $rc)"
 }
 bench llama-3.2-1b 80 --prefill 512,2048,8192 --batch 1,16,64,256
 bench llama-3.1-8b 150 --prefill 512,2048,8192 --batch 1,16,64,256
 
 echo "== the local cluster on the GPU ($(elapsed))"
 timeout 90 scripts/gpu/cluster.sh /tmp/pd-gpu/bin /tmp/pd-gpu/models/llama-3.2-1b cuda "$out"
-echo "cluster exit $?"
+rc=$?
+echo "cluster exit $rc"
+[[ $rc == 0 ]] || failed "the cluster on the GPU (exit $rc)"
 
 echo "== against the limits ($(elapsed))"
 python3 scripts/gpu/summarize.py /tmp/pd-gpu/models "$out"/bench-*.md | tee "$out/summary.md"
-echo "gpu-check: done in $(elapsed)"
+[[ ${PIPESTATUS[0]} == 0 ]] || failed "summary"
+if ((${#failures[@]})); then
+    echo "gpu-check: ${#failures[@]} failed after $(elapsed): ${failures[*]}"
+    exit 1
+fi
+echo "gpu-check: done in $(elapsed), every step passed"

@@ -2,8 +2,9 @@
 //! Llama built by the test: the same logits (f32 within 1e-3, f16 within 3e-2: half-precision
 //! weights and cuBLAS's accumulation order), a mixed prefill/decode batch equal to each
 //! sequence alone, and KV exported on the GPU, imported on the CPU (and back) giving the same
-//! next logits. Without a CUDA device each test prints "skipped: no CUDA device" and passes;
-//! `scripts/gpu-check.sh` runs them where there is one.
+//! next logits. Without a CUDA device each test prints "skipped: no CUDA device" and passes,
+//! unless `PD_REQUIRE_GPU=1` (set by `scripts/gpu-check.sh`, which runs them where there is a
+//! device): then a device that fails to initialise fails every test.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -15,6 +16,9 @@ use pd_engine::{BatchSeq, CacheConfig, KvCache, KvCacheDType, Model, SequenceKv,
 fn cuda() -> Option<Device> {
     match Device::new_cuda(0) {
         Ok(d) => Some(d),
+        Err(e) if std::env::var("PD_REQUIRE_GPU").is_ok_and(|v| v == "1") => {
+            panic!("PD_REQUIRE_GPU=1 and no CUDA device: {e}")
+        }
         Err(e) => {
             eprintln!("skipped: no CUDA device ({e})");
             None
