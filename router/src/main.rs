@@ -59,6 +59,11 @@ struct Args {
     /// request: its decode sequence is cancelled and its KV freed.
     #[arg(long, env = "PD_CLIENT_SEND_TIMEOUT_MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
     client_send_timeout_ms: u64,
+    /// Long prompts (whose own prefill, at the measured rate, takes at least half of what
+    /// admission allows the tightest class's TTFT SLO) prefilled at once per prefill worker;
+    /// more wait while shorter requests pass them.
+    #[arg(long, env = "PD_LONG_PREFILLS_PER_WORKER", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    long_prefills_per_worker: u64,
     /// Write each request's prompt and generated text into its log record and root span
     /// (by default they appear in no log line and no span).
     #[arg(long, env = "PD_LOG_CONTENT")]
@@ -126,6 +131,7 @@ async fn main() -> anyhow::Result<()> {
             prefix_weight: args.prefix_weight,
             quarantine: std::time::Duration::from_millis(args.quarantine_ms),
             client_send_timeout: std::time::Duration::from_millis(args.client_send_timeout_ms),
+            long_prefills_per_worker: args.long_prefills_per_worker as usize,
         },
         limits: pd_router::Limits {
             max_tokens: args.max_tokens,

@@ -100,3 +100,49 @@ async fn prompts_wait_for_prefill_kv_blocks_instead_of_failing() {
     }
     assert_eq!(metric(&cluster.prefill_metrics[0], "pd_waiting_prefill_tokens").await, 0.0);
 }
+
+/// A document sent without a class (so in the interactive class, whose 1.5 s TTFT SLO its
+/// own prefill alone exceeds here) while three interactive streams run, far below capacity:
+/// served, every time, also two at once (the second waits for the first: long prompts are
+/// prefilled one per prefill worker at a time), and the streams are not disturbed into
+/// failing. Admission refuses only overload, not a prompt for its own length.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_prompt_without_a_class_at_light_load_is_served() {
+    let cluster = Cluster::start(1).await;
+    let chat = cluster.url("/v1/chat/completions");
+    let completions = cluster.url("/v1/completions");
+    let streams: Vec<_> = (0..3)
+        .map(|i| {
+            let url = chat.clone();
+            tokio::spawn(async move {
+                let body = json!({
+                    "messages": [{"role": "user", "content": format!("Tell story number {i} about a lighthouse.")}],
+                    "max_tokens": 96, "ignore_eos": true, "stream": true,
+                });
+                let r = reqwest::Client::new().post(&url).json(&body).send().await.expect("stream");
+                let status = r.status().as_u16();
+                let text = r.text().await.expect("body");
+                (status, text.contains("[DONE]") && !text.contains("event: error"))
+            })
+        })
+        .collect();
+    let document =
+        |n: usize| format!("Document {n}. ") + &"The lighthouse keeper wrote in his log every night. ".repeat(140);
+    let send = |url: String, prompt: String| async move {
+        let body = json!({ "prompt": prompt, "max_tokens": 4 });
+        let r = reqwest::Client::new().post(&url).json(&body).send().await.expect("document");
+        let status = r.status().as_u16();
+        (status, r.text().await.unwrap_or_default())
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await; // the streams are decoding
+    for n in 0..2 {
+        let (status, body) = send(completions.clone(), document(n)).await;
+        assert_eq!(status, 200, "document {n} alone: {body}");
+    }
+    let (a, b) = tokio::join!(send(completions.clone(), document(10)), send(completions.clone(), document(11)));
+    assert_eq!((a.0, b.0), (200, 200), "two documents at once: {} / {}", a.1, b.1);
+    for s in streams {
+        assert_eq!(s.await.expect("task"), (200, true), "an interactive stream");
+    }
+    cluster.wait_kv_free(Duration::from_secs(5)).await;
+}

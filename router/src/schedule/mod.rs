@@ -52,6 +52,9 @@ pub struct ScheduleConfig {
     /// (its decode sequence is cancelled and its KV freed): a reader that stopped reading
     /// holds nothing on a worker past this.
     pub client_send_timeout: Duration,
+    /// Long prompts (`policy::is_long`, against the tightest class's TTFT SLO) prefilled at
+    /// once per prefill worker; more wait in the queue while shorter work passes them.
+    pub long_prefills_per_worker: usize,
 }
 
 impl Default for ScheduleConfig {
@@ -69,6 +72,7 @@ impl Default for ScheduleConfig {
             prefix_weight: 2.0,
             quarantine: Duration::from_secs(10),
             client_send_timeout: Duration::from_secs(30),
+            long_prefills_per_worker: 1,
         }
     }
 }
@@ -109,6 +113,8 @@ struct Inner {
     released: Events,
     /// How fast the queue of top-priority requests is served while it holds any.
     service: Service,
+    /// Long prompts (`policy::is_long`) granted a prefill worker and not yet prefilled.
+    long_prefills: usize,
 }
 
 /// Events remembered for a rate, over how long, and how many make a rate.
@@ -239,7 +245,12 @@ impl Scheduler {
         // rate it was lately (`backlog`); and at least as long again as the oldest request
         // ahead has waited.
         let now = Instant::now();
-        let ahead_of_me = inner.waiting.iter().filter(|w| w.priority >= class.spec.priority);
+        // A long prompt is prefilled a few at a time (`dispatch`); one that waits for its
+        // turn holds back only other long ones, not this request if it is short.
+        let own = policy::estimated_wait(0, work, rate);
+        let tightest = self.classes.all().iter().map(|c| c.ttft_slo()).min().unwrap_or(class.ttft_slo());
+        let long = policy::is_long(own, tightest);
+        let ahead_of_me = inner.waiting.iter().filter(|w| w.priority >= class.spec.priority && (long || !w.long));
         let (queued_ahead, oldest) = ahead_of_me.fold((0, Duration::ZERO), |(n, o), w| (n + 1, o.max(now - w.arrived)));
         let itl = Duration::from_millis(class.spec.itl_slo_ms);
         let need = inner.fleet.decode.first().map_or(0, |d| d.blocks_for(tokens + max_tokens));
@@ -267,8 +278,13 @@ impl Scheduler {
             oldest_ms = oldest.as_millis() as u64,
             "admission estimate"
         );
-        let oldest_of_class =
-            inner.waiting.iter().filter(|w| w.class == class.index).map(|w| now - w.arrived).max().unwrap_or_default();
+        let oldest_of_class = inner
+            .waiting
+            .iter()
+            .filter(|w| w.class == class.index && (long || !w.long))
+            .map(|w| now - w.arrived)
+            .max()
+            .unwrap_or_default();
         let budget = policy::Budget {
             queued_tokens: inner.queued_tokens[class.index],
             max_queued_tokens: class.spec.max_queued_tokens,
@@ -276,10 +292,11 @@ impl Scheduler {
             oldest_waiting: oldest_of_class,
             max_queue_age: class.max_queue_age(),
         };
-        let own = policy::estimated_wait(0, work, rate);
         policy::admit(&class.name, tokens, budget, wait, own, rate)
             .map_err(|r| RouterError::Overloaded { message: r.message, retry_after_s: r.retry_after_s })?;
-        Ok(self.enqueue(&mut inner, class, prompt, max_tokens, now + class.ttft_slo()))
+        // A long prompt may wait its turn (about its own prefill) on top of the queue age.
+        let patience = if long { own * 2 } else { Duration::ZERO };
+        Ok(self.enqueue(&mut inner, class, prompt, max_tokens, now + class.ttft_slo(), long, patience))
     }
 
     /// Queues a request whose decode worker was lost mid-stream (`prompt`: its prompt and the
@@ -296,11 +313,13 @@ impl Scheduler {
         if inner.fleet.healthy_decode().next().is_none() {
             return Err(RouterError::NoWorker("decode"));
         }
-        Ok(self.enqueue(&mut inner, class, prompt, max_tokens, Instant::now()))
+        Ok(self.enqueue(&mut inner, class, prompt, max_tokens, Instant::now(), false, Duration::ZERO))
     }
 
     /// Puts an admitted request in the queue with TTFT deadline `deadline` (its place among
-    /// its priority) and dispatches what fits.
+    /// its priority) and dispatches what fits. `long`: a long prompt (`policy::is_long`),
+    /// which may wait `patience` longer than the class's queue age before it stalls.
+    #[allow(clippy::too_many_arguments)]
     fn enqueue(
         self: &Arc<Self>,
         inner: &mut Inner,
@@ -308,6 +327,8 @@ impl Scheduler {
         prompt: Arc<Prompt>,
         max_tokens: usize,
         deadline: Instant,
+        long: bool,
+        patience: Duration,
     ) -> Pending {
         let (now, tokens) = (Instant::now(), prompt.len());
         // What must be computed: the prompt less what the best-placed worker caches.
@@ -325,6 +346,7 @@ impl Scheduler {
             arrived: now,
             deadline,
             itl_slo: Duration::from_millis(class.spec.itl_slo_ms),
+            long,
             reply: Reply { tx, prompt },
         });
         inner.queued_tokens[class.index] += tokens as u64;
@@ -334,7 +356,7 @@ impl Scheduler {
             seq,
             class: class.clone(),
             rx: Some(rx),
-            expires: now + class.max_queue_age() * STALL_FACTOR,
+            expires: now + (class.max_queue_age() + patience) * STALL_FACTOR,
         }
     }
 
@@ -346,12 +368,19 @@ impl Scheduler {
         inner.fleet.quarantine.insert(addr.to_string(), now + how_long);
     }
 
-    /// Grants waiting requests, best first, while the head fits somewhere.
+    /// Grants waiting requests, best first, while the head fits somewhere. Long prompts go
+    /// while fewer than the cap of them prefill (`long_prefills_per_worker` per prefill
+    /// worker); at the cap, shorter requests pass them.
     fn dispatch(self: &Arc<Self>, inner: &mut Inner) {
         let top = self.top_priority();
-        while let Some(i) = policy::next(&inner.waiting) {
-            let Some(grant) = self.place(inner, i, top) else { break };
+        let cap = self.config.long_prefills_per_worker.max(1) * inner.fleet.prefill.len().max(1);
+        while let Some(i) = policy::next(&inner.waiting, inner.long_prefills < cap) {
+            let Some(mut grant) = self.place(inner, i, top) else { break };
             let w = inner.waiting.swap_remove(i);
+            if w.long && grant.prefill.is_some() {
+                inner.long_prefills += 1;
+                grant.ticket.long = true;
+            }
             inner.queued_tokens[w.class] -= w.tokens as u64;
             let now = Instant::now();
             // A grant at its own arrival says nothing about how fast a queue is served.
@@ -427,6 +456,7 @@ impl Scheduler {
             prefill: prefill.as_ref().map(|(a, ..)| a.clone()),
             decode_opened: false,
             itl,
+            long: false,
         };
         Some(Grant {
             decode: decode_addr,
@@ -563,6 +593,8 @@ pub struct Ticket {
     prefill: Option<String>,
     decode_opened: bool,
     itl: Duration,
+    /// Counted in `Inner::long_prefills` until its prefill ends.
+    long: bool,
 }
 
 impl Ticket {
@@ -587,14 +619,17 @@ impl Ticket {
     pub fn prefill_done(&mut self) {
         if let Some(s) = self.scheduler.clone() {
             let mut inner = s.lock();
-            self.prefill_locked(&mut inner.fleet);
+            self.prefill_locked(&mut inner);
             s.dispatch(&mut inner);
         }
     }
 
-    fn prefill_locked(&mut self, fleet: &mut Fleet) {
+    fn prefill_locked(&mut self, inner: &mut Inner) {
+        if std::mem::take(&mut self.long) {
+            inner.long_prefills = inner.long_prefills.saturating_sub(1);
+        }
         if let Some(addr) = self.prefill.take() {
-            if let Some(p) = fleet.prefill_mut(&addr) {
+            if let Some(p) = inner.fleet.prefill_mut(&addr) {
                 p.in_flight.retain(|(seq, _)| *seq != self.seq);
             }
         }
@@ -605,9 +640,9 @@ impl Ticket {
         if ended {
             inner.released.record(Instant::now());
         }
+        self.prefill_locked(inner);
         let fleet = &mut inner.fleet;
         self.open_locked(fleet);
-        self.prefill_locked(fleet);
         if let Some(d) = fleet.decode_mut(&self.decode) {
             d.ours = d.ours.saturating_sub(1);
             d.active_blocks = d.active_blocks.saturating_sub(self.blocks);

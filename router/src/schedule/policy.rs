@@ -22,14 +22,31 @@ pub struct Waiting<T> {
     pub deadline: Instant,
     /// The class's ITL SLO: a decode worker whose step time nears it takes no more streams.
     pub itl_slo: Duration,
+    /// A long prompt (`is_long`): it waits while the pool prefills its cap of long prompts.
+    pub long: bool,
     /// Where the grant goes.
     pub reply: T,
 }
 
 /// The index of the request to dispatch next: highest priority, then earliest TTFT deadline,
-/// then arrival order.
-pub fn next<T>(waiting: &[Waiting<T>]) -> Option<usize> {
-    waiting.iter().enumerate().min_by_key(|(_, w)| (std::cmp::Reverse(w.priority), w.deadline, w.seq)).map(|(i, _)| i)
+/// then arrival order; long prompts only while `long_ok` (the pool is under its cap of long
+/// prompts prefilling at once), else shorter work passes them.
+pub fn next<T>(waiting: &[Waiting<T>], long_ok: bool) -> Option<usize> {
+    waiting
+        .iter()
+        .enumerate()
+        .filter(|(_, w)| long_ok || !w.long)
+        .min_by_key(|(_, w)| (std::cmp::Reverse(w.priority), w.deadline, w.seq))
+        .map(|(i, _)| i)
+}
+
+/// A prompt is long when its own prefill (at the pool's measured rate) takes at least half of
+/// what admission allows a TTFT SLO of `slo` (`ADMIT_MARGIN`): such a prompt cannot meet that
+/// SLO on an idle pool, so the SLO cannot decide its admission (`admit`), and, taken against
+/// the tightest class's SLO, it is one the pool prefills only a few of at once. Derived from
+/// the measured rate, the same prompt is long on a slow machine and not on a fast one.
+pub fn is_long(own: Duration, slo: Duration) -> bool {
+    own * 2 >= slo.mul_f64(ADMIT_MARGIN)
 }
 
 /// Prompt tokens to compute before a new request of `priority` with `own` such tokens:
@@ -110,7 +127,10 @@ pub const ADMIT_MARGIN: f64 = 0.6;
 /// Admits a request of `tokens` prompt tokens of class `class` with budget `b`, estimated
 /// wait `wait` for the work ahead of it and `own` for its own prefill, at drain rate
 /// `tokens_per_s`, or says why not. With work ahead, wait + own must fit the TTFT SLO; on an
-/// idle pool a request is never refused for its own length (that is no overload).
+/// idle pool a request is never refused for its own length (that is no overload). A prompt
+/// too long for its class's SLO (`is_long`) is refused only for overload: when the work ahead
+/// would make it wait longer than its own prefill takes (and longer than half the SLO's
+/// allowance), so its time to first token stays within twice what it needs on an idle pool.
 pub fn admit(
     class: &str,
     tokens: usize,
@@ -142,8 +162,24 @@ pub fn admit(
             retry_after_s: retry_after(b.oldest_waiting - b.max_queue_age),
         });
     }
+    let allowed = b.ttft_slo.mul_f64(ADMIT_MARGIN);
+    if is_long(own, b.ttft_slo) {
+        let bound = own.max(allowed / 2);
+        if wait <= bound {
+            return Ok(());
+        }
+        return Err(Refusal {
+            message: format!(
+                "estimated wait {} ms ({:.0} prompt tokens ahead at {tokens_per_s:.0} tokens/s) exceeds what a prompt of {tokens} tokens may wait in class `{class}` ({} ms: as long as its own prefill); the prefill pool is overloaded",
+                wait.as_millis(),
+                wait.as_secs_f64() * tokens_per_s,
+                bound.as_millis(),
+            ),
+            retry_after_s: retry_after(wait - bound),
+        });
+    }
     let ttft = if wait.is_zero() { wait } else { wait + own };
-    if ttft > b.ttft_slo.mul_f64(ADMIT_MARGIN) {
+    if ttft > allowed {
         return Err(Refusal {
             message: format!(
                 "estimated time to first token {} ms ({:.0} prompt tokens ahead, {:.0} own to compute, at {tokens_per_s:.0} tokens/s) exceeds {:.0}% of class `{class}`'s TTFT SLO of {} ms",

@@ -12,6 +12,7 @@ fn waiting(seq: u64, priority: i32, deadline_ms: u64, tokens: usize) -> Waiting<
         arrived: t0,
         deadline: t0 + Duration::from_millis(deadline_ms),
         itl_slo: Duration::from_millis(100),
+        long: false,
         reply: (),
     }
 }
@@ -19,10 +20,44 @@ fn waiting(seq: u64, priority: i32, deadline_ms: u64, tokens: usize) -> Waiting<
 #[test]
 fn higher_priority_first_then_earliest_deadline_then_arrival() {
     let q = vec![waiting(0, 0, 10, 5), waiting(1, 10, 900, 5), waiting(2, 10, 500, 5), waiting(3, 10, 500, 5)];
-    assert_eq!(next(&q), Some(2));
+    assert_eq!(next(&q, true), Some(2));
     let q = vec![waiting(0, 0, 10, 5)];
-    assert_eq!(next(&q), Some(0));
-    assert_eq!(next::<()>(&[]), None);
+    assert_eq!(next(&q, true), Some(0));
+    assert_eq!(next::<()>(&[], true), None);
+}
+
+#[test]
+fn long_prompts_over_the_cap_let_shorter_work_pass() {
+    let mut q = vec![waiting(0, 10, 100, 2000), waiting(1, 10, 900, 50), waiting(2, 0, 10, 2000)];
+    q[0].long = true;
+    q[2].long = true;
+    assert_eq!(next(&q, true), Some(0), "under the cap: the usual order");
+    assert_eq!(next(&q, false), Some(1), "at the cap: the short one passes");
+    q.remove(1);
+    assert_eq!(next(&q, false), None, "only long ones wait: none goes");
+    let ms = Duration::from_millis;
+    // Long against the share of the SLO admission allows (60%): 450 ms of 1.5 s.
+    assert!(is_long(ms(450), ms(1500)) && !is_long(ms(440), ms(1500)));
+}
+
+#[test]
+fn a_prompt_too_long_for_its_slo_is_refused_only_for_overload() {
+    let b = Budget {
+        queued_tokens: 0,
+        max_queued_tokens: 100_000,
+        ttft_slo: Duration::from_millis(1500),
+        oldest_waiting: Duration::ZERO,
+        max_queue_age: Duration::from_secs(3),
+    };
+    let ms = Duration::from_millis;
+    // 2,000 tokens at 1,000 tokens/s: 2 s of its own, past the 1.5 s SLO by itself.
+    assert_eq!(admit("interactive", 2000, b, ms(300), ms(2000), 1000.0), Ok(()), "light load: served");
+    assert_eq!(admit("interactive", 2000, b, ms(1900), ms(2000), 1000.0), Ok(()), "behind one like it");
+    let over = admit("interactive", 2000, b, ms(5000), ms(2000), 1000.0).expect_err("overload");
+    assert!(over.message.contains("overloaded"), "{}", over.message);
+    assert_eq!(over.retry_after_s, 3);
+    // A short prompt keeps the SLO test.
+    assert!(admit("interactive", 100, b, ms(850), ms(100), 1000.0).is_err());
 }
 
 #[test]
