@@ -111,6 +111,14 @@ impl DecodeService {
         if req.prompt_tokens.is_empty() {
             return Err(DecodeError::Invalid("prompt_tokens is empty".into()));
         }
+        // Checked here, so a bad id fails this request alone (in the batch's step it would
+        // fail every sequence of the step).
+        let vocab = self.engine.model().config().vocab_size;
+        if let Some((i, id)) = req.prompt_tokens.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+            return Err(DecodeError::Invalid(format!(
+                "prompt_tokens[{i}] ({id}) is outside the vocabulary of {vocab}"
+            )));
+        }
         let params = sampling_from_pb(req.sampling.as_ref())?;
         let n = req.n.max(1) as usize;
         if n > self.batcher.max_batch() {
@@ -268,6 +276,15 @@ impl DecodeService {
         held: Held,
         events: mpsc::UnboundedSender<Event>,
     ) -> Result<(), DecodeError> {
+        // A first token outside the vocabulary fails this request (its blocks are freed as
+        // `committed` and `held` drop), not the batch's next step.
+        let vocab = self.engine.model().config().vocab_size;
+        if committed.first_token as usize >= vocab {
+            let bad = committed.first_token;
+            return Err(DecodeError::Invalid(format!(
+                "the KV commit's first_token ({bad}) is outside the vocabulary of {vocab}"
+            )));
+        }
         let received =
             Received { kv_transfer_ms: committed.receive_time.as_secs_f64() * 1e3, kv_bytes: committed.bytes };
         let Held { mut prefix, cached, growth, forks } = held;

@@ -130,6 +130,14 @@ impl PrefillService {
         if req.prompt_tokens.is_empty() {
             return Err(PrefillError::Invalid("prompt_tokens is empty".into()));
         }
+        // Checked here, so a bad id fails this request alone (in the step loop it would fail
+        // every prompt of the step).
+        let vocab = self.engine.model().config().vocab_size;
+        if let Some((i, id)) = req.prompt_tokens.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+            return Err(PrefillError::Invalid(format!(
+                "prompt_tokens[{i}] ({id}) is outside the vocabulary of {vocab}"
+            )));
+        }
         let target = req.target.as_ref().ok_or_else(|| PrefillError::Invalid("target is required".into()))?;
         let target = Target::from_pb(target).map_err(|e| PrefillError::Invalid(e.to_string()))?;
         let sampling = sampling_from_pb(req.sampling.as_ref())?;

@@ -10,7 +10,6 @@ use futures_util::Stream;
 
 use crate::error::RouterError;
 use crate::relay::Update;
-use crate::updates::Updates;
 
 /// Most prompts in one request.
 pub const MAX_PROMPTS: usize = 64;
@@ -25,7 +24,10 @@ struct Merge {
 }
 
 /// The updates of `parts` (one per prompt, each with `n` answers) as one request's.
-pub fn merge(parts: Vec<Updates>, n: usize) -> impl Stream<Item = Result<Update, RouterError>> + Send {
+pub fn merge<S>(parts: Vec<S>, n: usize) -> impl Stream<Item = Result<Update, RouterError>> + Send
+where
+    S: Stream<Item = Result<Update, RouterError>> + Send + 'static,
+{
     let left = parts.len();
     let parts =
         stream::select_all(parts.into_iter().enumerate().map(|(i, u)| u.map(move |update| (i as u32, update)).boxed()));
@@ -76,7 +78,7 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
-    use crate::updates::LastWord;
+    use crate::updates::{LastWord, Updates};
 
     fn part(updates: Vec<Update>) -> Updates {
         let (tx, rx) = mpsc::channel(16);

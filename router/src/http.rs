@@ -209,10 +209,10 @@ async fn handle(state: Arc<AppState>, kind: Kind, headers: HeaderMap, body: Body
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    if req.echo {
+    if req.echo && crate::score::scored_alone(&req) {
         return echo_response(&state, req, id, record).await;
     }
-    let updates = match lifecycle::start(state.scheduler.clone(), state.text.clone(), &req, class, record).await {
+    let updates = match start(&state, &req, class, record).await {
         Ok(u) => u,
         Err(e) => return e.into_response(),
     };
@@ -222,6 +222,22 @@ async fn handle(state: Arc<AppState>, kind: Kind, headers: HeaderMap, body: Body
     } else {
         collect_response(req, id, updates, &text).await
     }
+}
+
+/// The updates of an accepted request: those of its generation, after its prompt's when it
+/// echoes it (`score::prompt_updates`).
+async fn start(
+    state: &AppState,
+    req: &ValidRequest,
+    class: Arc<Class>,
+    mut record: RequestRecord,
+) -> Result<futures_util::stream::BoxStream<'static, Result<Update, RouterError>>, RouterError> {
+    let prompt = match req.echo {
+        true => crate::score::prompt_updates(&state.scheduler, &state.text, req, &mut record).await?,
+        false => Vec::new(),
+    };
+    let updates = lifecycle::start(state.scheduler.clone(), state.text.clone(), req, class, record).await?;
+    Ok(futures_util::stream::iter(prompt.into_iter().map(Ok)).chain(updates).boxed())
 }
 
 /// A request with several prompts (`crate::batch`): each is accepted (validated, checked
@@ -255,7 +271,7 @@ async fn handle_batch(
     let Some(first) = accepted.first() else { return RouterError::invalid("prompt", "no prompt").into_response() };
     let n = first.0.n;
     let shape = ValidRequest { n: n * accepted.len(), ..first.0.clone() };
-    if shape.echo {
+    if shape.echo && crate::score::scored_alone(&first.0) {
         let mut choices = Vec::with_capacity(accepted.len());
         let (mut prompt_tokens, mut completion_tokens) = (0, 0);
         for (i, (req, _, mut record)) in accepted.into_iter().enumerate() {
@@ -275,7 +291,7 @@ async fn handle_batch(
     }
     let mut parts = Vec::with_capacity(accepted.len());
     for (req, class, record) in accepted {
-        match lifecycle::start(state.scheduler.clone(), state.text.clone(), &req, class, record).await {
+        match start(&state, &req, class, record).await {
             Ok(u) => parts.push(u),
             Err(e) => return e.into_response(),
         }
@@ -340,9 +356,12 @@ impl Answer {
         out
     }
 
+    /// Adds a token's log probabilities, when asked (an echoed prompt's first token has none).
     fn push(&mut self, side: &TextSide, token_id: u32, text: &str, logprobs: Option<&pb::TokenLogprobs>) {
-        if let (Some(all), Some(l)) = (&mut self.logprobs, logprobs) {
-            all.push(&side.tokenizer, token_id, text, l);
+        match (&mut self.logprobs, logprobs) {
+            (Some(all), Some(l)) => all.push(&side.tokenizer, token_id, text, l),
+            (Some(all), None) => all.push_unscored(&side.tokenizer, token_id),
+            (None, _) => {}
         }
     }
 }

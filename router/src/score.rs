@@ -1,10 +1,14 @@
 //! Completions with `echo`: the prompt comes back as the start of the text, and with
 //! `logprobs` each prompt token's log probability given those before it (what evaluation
-//! harnesses send to measure a loglikelihood). Served by one prefill worker's `Score` (the
-//! prompt computed whole in its step loop, beside other prompts), with `max_tokens` 0 or 1:
-//! the one output token is the prefill worker's own first token, so no decode worker and no
-//! KV reservation are involved. The prefill worker with the shortest estimated wait is
-//! asked; one that is unreachable is replaced by the next (at most three tries).
+//! harnesses send to measure a loglikelihood), scored by one prefill worker's `Score` (the
+//! prompt computed whole in its step loop, beside other prompts). The prefill worker with the
+//! shortest estimated wait is asked; one that is unreachable is replaced by the next (at most
+//! three tries).
+//!
+//! With `max_tokens` 0 or 1, not streamed, one answer (`echo`): the one output token is the
+//! prefill worker's own first token, so no decode worker and no KV reservation are involved.
+//! Otherwise (`prompt_updates`) the scored prompt becomes the first updates of each answer
+//! and the generation after it is an ordinary request.
 
 use pd_engine::{OutputTracker, TextSide};
 use pd_kv_transfer::convert::sampling_to_pb;
@@ -15,6 +19,7 @@ use crate::error::RouterError;
 use crate::prefill::traced;
 use crate::record::{PrefillTimings, RequestRecord};
 use crate::relay::worker_status_error;
+use crate::relay::Update;
 use crate::schedule::Scheduler;
 use crate::validate::ValidRequest;
 
@@ -115,4 +120,95 @@ pub async fn echo(
     }
     record.finish(&finish_reason);
     Ok(Echoed { text, logprobs, finish_reason, completion_tokens })
+}
+
+/// Whether an echo request is answered by the prefill worker alone (`echo`).
+pub fn scored_alone(req: &ValidRequest) -> bool {
+    req.params.max_tokens <= 1 && !req.stream && req.n == 1 && req.params.constraint.is_none()
+}
+
+/// The prompt of an echo request that also generates, as the updates that start each of its
+/// answers: the prompt's tokens and their texts, with their log probabilities when asked
+/// (scored on a prefill worker; the first token has none). The record fails with the error.
+pub async fn prompt_updates(
+    scheduler: &Scheduler,
+    side: &TextSide,
+    req: &ValidRequest,
+    record: &mut RequestRecord,
+) -> Result<Vec<Update>, RouterError> {
+    let scores = match req.params.logprobs {
+        None => None,
+        Some(_) => match scored(scheduler, req, record).await {
+            Ok(a) => Some(a.prompt_logprobs),
+            Err(e) => {
+                record.fail(&e);
+                return Err(e);
+            }
+        },
+    };
+    let texts = token_texts(&side.tokenizer, &req.prompt_tokens).map_err(|e| {
+        let e = RouterError::Unprocessable(e.to_string());
+        record.fail(&e);
+        e
+    })?;
+    let mut scores = scores.map(Vec::into_iter);
+    let mut prompt = Vec::with_capacity(texts.len());
+    for (i, (&token_id, text)) in req.prompt_tokens.iter().zip(texts).enumerate() {
+        let logprobs = if i == 0 { None } else { scores.as_mut().and_then(Iterator::next) };
+        prompt.push((token_id, text, logprobs));
+    }
+    let each = |index: u32| {
+        prompt.iter().map(move |(token_id, text, logprobs)| Update::Token {
+            index,
+            token_id: *token_id,
+            text: text.clone(),
+            logprobs: logprobs.clone(),
+        })
+    };
+    Ok((0..req.n as u32).flat_map(each).collect())
+}
+
+/// Each token's share of the decoded text (a token holding part of a UTF-8 character gets
+/// none; the one completing it gets the character), adding up to the whole decode. A
+/// tokenizer whose pieces do not add up (one that drops a leading space at the start of a
+/// decode): the whole text on the first token.
+fn token_texts(tokenizer: &pd_engine::Tokenizer, tokens: &[u32]) -> pd_engine::Result<Vec<String>> {
+    const CONTEXT: usize = 4;
+    let mut texts = Vec::with_capacity(tokens.len());
+    let mut start = 0usize;
+    for i in 0..tokens.len() {
+        let from = start.saturating_sub(CONTEXT);
+        let before = tokenizer.decode(&tokens[from..start], false)?;
+        let with = tokenizer.decode(&tokens[from..=i], false)?;
+        match with.strip_prefix(before.as_str()) {
+            Some(piece) if !(piece.ends_with('\u{FFFD}') && i + 1 < tokens.len()) => {
+                texts.push(piece.to_string());
+                start = i + 1;
+            }
+            _ => texts.push(String::new()),
+        }
+    }
+    let whole = tokenizer.decode(tokens, false)?;
+    if texts.concat() != whole {
+        texts.iter_mut().for_each(String::clear);
+        if let Some(first) = texts.first_mut() {
+            *first = whole;
+        }
+    }
+    Ok(texts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_texts_add_up_to_the_decoded_prompt() {
+        let tokenizer = pd_engine::Tokenizer::characters().expect("tokenizer");
+        let tokens = tokenizer.encode("echo me").expect("encode");
+        let texts = token_texts(&tokenizer, &tokens).expect("texts");
+        assert_eq!(texts.len(), tokens.len());
+        assert_eq!(texts.concat(), tokenizer.decode(&tokens, false).expect("decode"));
+        assert!(texts.iter().all(|t| !t.is_empty()), "a piece per token: {texts:?}");
+    }
 }

@@ -213,7 +213,11 @@ pub fn validate(
         let message = format!("the prompt has {} tokens; the context length is {context}", prompt_tokens.len());
         return Err(RouterError::invalid(field, message));
     }
-    let max_tokens = if p.echo { echo_tokens(&p)? } else { max_tokens(&p, prompt_tokens.len(), context, limits)? };
+    let max_tokens = if p.echo {
+        echo_tokens(&p, prompt_tokens.len(), context, limits)?
+    } else {
+        max_tokens(&p, prompt_tokens.len(), context, limits)?
+    };
     let vocab = text.tokenizer.vocab_size();
     let logits = check_logits(&p.logits, vocab, max_tokens)?;
     if let Some(id) = p.stop_token_ids.iter().find(|&&id| id as usize >= vocab) {
@@ -427,10 +431,15 @@ fn force_call(
     Ok(())
 }
 
-/// `max_tokens` of an echo request: 0 or 1 (the prefill worker's own first token), default 0;
-/// one whole answer, whose output no constraint or tool shapes.
-fn echo_tokens(p: &GenerateParams) -> Result<usize, RouterError> {
-    let refuse = |field: &str, why: &str| Err(RouterError::invalid(field, format!("with `echo`, {why}")));
+/// `max_tokens` of an echo request: 0 by default (the prompt scored, nothing generated: one
+/// whole answer with nothing to constrain), else as for any completion (the generation
+/// follows the echoed prompt).
+fn echo_tokens(p: &GenerateParams, prompt: usize, context: usize, limits: &Limits) -> Result<usize, RouterError> {
+    if p.max_tokens.is_some_and(|m| m > 0) {
+        return max_tokens(p, prompt, context, limits);
+    }
+    let refuse =
+        |field: &str, why: &str| Err(RouterError::invalid(field, format!("with `echo` and `max_tokens` 0, {why}")));
     if p.stream {
         return refuse("stream", "the answer comes whole: `stream` must be false");
     }
@@ -438,15 +447,9 @@ fn echo_tokens(p: &GenerateParams) -> Result<usize, RouterError> {
         return refuse("n", "one answer only (`n` 1)");
     }
     if let Some((_, field)) = &p.constraint {
-        return refuse(field, "the output is not constrained");
+        return refuse(field, "nothing is generated to constrain");
     }
-    match p.max_tokens {
-        None | Some(0) => Ok(0),
-        Some(1) => Ok(1),
-        Some(_) => {
-            refuse(p.max_tokens_field, "`max_tokens` must be 0 or 1 (the prompt is scored on a prefill worker alone)")
-        }
-    }
+    Ok(0)
 }
 
 /// `max_tokens` as given (checked against the limit and the context left), or the kind's

@@ -245,10 +245,25 @@ check("echo: the generated tail scores as it was generated", all(abs(a - b) < 0.
 check("echo: greedy tail tokens are each position's top", all(abs(l - max(t.values())) < 1e-4 for l, t in zip(lp.token_logprobs[-6:], lp.top_logprobs[-6:])))
 one = client.completions.create(model=MODEL, prompt=start, echo=True, logprobs=0, max_tokens=1, temperature=0)
 check("echo with max_tokens 1: prompt then the greedy token", one.choices[0].text == start + gen.choices[0].text[: len(one.choices[0].text) - len(start)] and one.usage.completion_tokens == 1, one.choices[0].text)
+# echo that also generates: the prompt (scored, first token null), then an ordinary
+# generation after it, whole or streamed, with n answers each starting with the prompt.
+more = client.completions.create(model=MODEL, prompt=start, echo=True, logprobs=1, max_tokens=6, temperature=0)
+ml = more.choices[0].logprobs
+check("echo with max_tokens 6: the prompt then the greedy answer", more.choices[0].text == whole and more.usage.completion_tokens == 6, more.choices[0].text)
+check("echo with max_tokens 6: the prompt's logprobs then the answer's", len(ml.tokens) == more.usage.prompt_tokens + 6 and ml.token_logprobs[0] is None
+      and all(abs(a - b) < 1e-4 for a, b in zip(ml.token_logprobs[-6:], generated)), ml.token_logprobs)
+streamed, streamed_lp = "", []
+for chunk in client.completions.create(model=MODEL, prompt=start, echo=True, logprobs=1, max_tokens=6, temperature=0, stream=True):
+    if chunk.choices:
+        streamed += chunk.choices[0].text
+        if chunk.choices[0].logprobs:
+            streamed_lp += chunk.choices[0].logprobs.token_logprobs
+check("echo streamed: the same text and logprobs", streamed == whole and streamed_lp == ml.token_logprobs, (streamed, streamed_lp))
+two = client.completions.create(model=MODEL, prompt=start, echo=True, max_tokens=6, temperature=0, n=2)
+check("echo with n 2: each answer starts with the prompt", [c.text for c in two.choices] == [whole, whole], two.choices)
 for name, kw, param in [
-    ("echo with max_tokens above 1", {"max_tokens": 5}, "max_tokens"),
-    ("echo streamed", {"max_tokens": 0, "stream": True}, "stream"),
-    ("echo with n 2", {"max_tokens": 0, "n": 2}, "n"),
+    ("echo streamed with max_tokens 0", {"max_tokens": 0, "stream": True}, "stream"),
+    ("echo with n 2 and max_tokens 0", {"max_tokens": 0, "n": 2}, "n"),
 ]:
     try:
         client.completions.create(model=MODEL, prompt=start, echo=True, logprobs=1, **kw)

@@ -375,3 +375,44 @@ fn pid_in_namespace(wrapper: u32) -> Option<u32> {
     let nspid = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
     nspid.split_whitespace().last()?.parse().ok()
 }
+
+/// A bad token id on the workers' internal API fails that request alone, typed: a decode
+/// request to prefill `[1, 999999]` here and a prefill request for it, sent while a stream
+/// decodes beside them, are refused naming the vocabulary, and the stream ends normally.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_token_on_the_internal_api_fails_only_its_own_request() {
+    let cluster = Cluster::start(1).await;
+    let body = json!({"prompt": "The lighthouse keeper", "max_tokens": 48, "ignore_eos": true, "stream": true});
+    let r = reqwest::Client::new().post(cluster.url("/v1/completions")).json(&body).send().await.expect("stream");
+    assert_eq!(r.status().as_u16(), 200);
+    let mut stream = r.bytes_stream();
+    let mut text = String::from_utf8_lossy(&stream.next().await.expect("a first chunk").expect("chunk")).into_owned();
+    let sampling = Some(pb::SamplingParams { max_tokens: 4, seed: Some(0), ..Default::default() });
+    let mut decode = pb::decode_worker_client::DecodeWorkerClient::connect(format!("http://{}", cluster.decode_addr))
+        .await
+        .expect("decode worker");
+    let bad = pb::DecodeRequest {
+        request_id: "bad-token".into(),
+        prompt_tokens: vec![1, 999_999],
+        sampling: sampling.clone(),
+        prefill_here: true,
+        ..Default::default()
+    };
+    let status = decode.generate(bad).await.expect_err("refused");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("prompt_tokens[1] (999999) is outside the vocabulary"), "{status:?}");
+    let mut prefill =
+        pb::prefill_worker_client::PrefillWorkerClient::connect(format!("http://{}", cluster.prefill_addrs[0]))
+            .await
+            .expect("prefill worker");
+    let bad = pb::PrefillRequest { request_id: "bad".into(), prompt_tokens: vec![999_999], sampling, target: None };
+    let status = prefill.prefill(bad).await.expect_err("refused");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("outside the vocabulary"), "{status:?}");
+    while let Some(chunk) = stream.next().await {
+        text.push_str(&String::from_utf8_lossy(&chunk.expect("chunk")));
+    }
+    assert!(text.contains("[DONE]") && !text.contains("event: error"), "the stream beside them: {text}");
+    assert_eq!(text.matches("\"text\":").count(), 48 + 1, "every token and the finish chunk: {text}");
+    cluster.wait_kv_free(Duration::from_secs(5)).await;
+}
