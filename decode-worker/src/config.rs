@@ -18,6 +18,10 @@ pub struct Config {
     /// host:port prefill workers use to reach this worker's KvTransfer service (defaults to
     /// the listener's address).
     pub advertise: Option<String>,
+    /// How prefill workers send KV here (advertised in reservation answers).
+    pub kv_transport: pd_kv_transfer::transport::Transport,
+    /// The UCX listener's address with the UCX transport (None: the listener's host, port 0).
+    pub kv_ucx_listen: Option<std::net::SocketAddr>,
     /// Most sequences in one decode step.
     pub max_batch: usize,
     /// How prompts prefilled here share steps with running streams.

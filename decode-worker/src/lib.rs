@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use pd_engine::Engine;
 use pd_kv_transfer::grpc::{kv_server_builder, spawn_lease_reaper, KvTransferService};
+use pd_kv_transfer::transport::{Transport, UcxServing};
 use pd_kv_transfer::KvRegistry;
 use pd_proto::v1::decode_worker_server::DecodeWorkerServer;
 use pd_telemetry::metrics::DecodeMetrics;
@@ -57,6 +58,7 @@ pub async fn run(
     let registry = KvRegistry::new(engine.clone());
     let reaper = spawn_lease_reaper(registry.clone(), Duration::from_millis(100));
     let addr = listener.local_addr()?;
+    let (kv_endpoint, ucx) = kv_endpoint(&config, addr, &registry)?;
     let decode_metrics = DecodeMetrics::register(&metrics);
     let service = DecodeService {
         batcher: batcher::Batcher::start(
@@ -67,7 +69,7 @@ pub async fn run(
         )?,
         engine,
         registry: registry.clone(),
-        kv_endpoint: config.advertise.clone().unwrap_or_else(|| addr.to_string()),
+        kv_endpoint,
         kv_dtype: config.kv_dtype,
         lease: config.lease,
         metrics: decode_metrics,
@@ -100,9 +102,36 @@ pub async fn run(
         })
         .await;
     reaper.abort();
+    if let Some(ucx) = ucx {
+        ucx.shutdown().await;
+    }
     endpoints.stop().await;
     tracing::info!("stopped");
     Ok(result?)
+}
+
+/// The KV endpoint this worker advertises, and the UCX receiver behind it with the UCX
+/// transport (the gRPC KvTransfer service is always on the worker's server).
+fn kv_endpoint(
+    config: &Config,
+    addr: std::net::SocketAddr,
+    registry: &Arc<KvRegistry>,
+) -> anyhow::Result<(String, Option<UcxServing>)> {
+    match config.kv_transport {
+        Transport::Grpc => Ok((config.advertise.clone().unwrap_or_else(|| addr.to_string()), None)),
+        Transport::Ucx => {
+            let bind = config.kv_ucx_listen.unwrap_or_else(|| std::net::SocketAddr::new(addr.ip(), 0));
+            let ucx =
+                UcxServing::start(registry.clone(), bind).map_err(|e| anyhow::anyhow!("--kv-transport ucx: {e}"))?;
+            let host = match &config.advertise {
+                Some(a) => a.rsplit_once(':').map_or(a.as_str(), |(h, _)| h).to_string(),
+                None => addr.ip().to_string(),
+            };
+            let endpoint = Transport::Ucx.endpoint(&format!("{host}:{}", ucx.local_addr().port()));
+            tracing::info!(%endpoint, "KV over UCX");
+            Ok((endpoint, Some(ucx)))
+        }
+    }
 }
 
 /// Waits for every KV block to be free: first for `grace` while sequences finish on their

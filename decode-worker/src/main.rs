@@ -15,9 +15,20 @@ struct Args {
     /// Address to listen on (DecodeWorker and KvTransfer services).
     #[arg(long, env = "PD_DECODE_LISTEN", default_value = "127.0.0.1:0")]
     listen: String,
-    /// host:port prefill workers should send KV to (default: the listening address).
+    /// host:port prefill workers should send KV to (default: the listening address; with
+    /// `--kv-transport ucx` its host and the UCX listener's port).
     #[arg(long, env = "PD_DECODE_ADVERTISE")]
     advertise: Option<String>,
+    /// How prefill workers send KV here: `grpc` (the KvTransfer service on --listen, under
+    /// the gRPC TLS when set) or `ucx` (UCX active messages on --kv-ucx-listen, with UCX_TLS
+    /// and UCX_NET_DEVICES from the environment; not covered by the gRPC TLS). Advertised in
+    /// every reservation answer.
+    #[arg(long, env = "PD_KV_TRANSPORT", default_value = "grpc")]
+    kv_transport: pd_kv_transfer::transport::Transport,
+    /// Address of the UCX KV listener with `--kv-transport ucx` (default: --listen's host, a
+    /// free port).
+    #[arg(long, env = "PD_KV_UCX_LISTEN")]
+    kv_ucx_listen: Option<std::net::SocketAddr>,
     /// GGUF file or Hugging Face folder.
     #[arg(long, env = "PD_MODEL", default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
     model: PathBuf,
@@ -99,6 +110,8 @@ fn config(args: &Args) -> anyhow::Result<pd_decode::Config> {
         kv_dtype,
         lease: Duration::from_millis(args.lease_ms),
         advertise: args.advertise.clone(),
+        kv_transport: args.kv_transport,
+        kv_ucx_listen: args.kv_ucx_listen,
         max_batch: args.max_batch,
         prefill_policy: args.prefill_policy,
         grace: Duration::from_millis(args.grace_ms),

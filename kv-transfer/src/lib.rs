@@ -9,6 +9,8 @@
 //!   target, dtype).
 //! - `grpc`: the always-built transport (tonic bidirectional stream with backpressure).
 //! - `ucx` (feature `ucx`): the UCX transport (active messages; tcp, shared memory, RDMA).
+//! - `transport`: the transport an endpoint names (`host:port` gRPC, `ucx://host:port`), and a
+//!   sender over either.
 //! - `KvSender` / `KvReceiver`: what a transport backend provides.
 
 #![warn(clippy::too_many_lines)] // functions stay under 80 lines (clippy.toml)
@@ -18,6 +20,7 @@ pub mod engine_io;
 pub mod error;
 pub mod grpc;
 pub mod receiver;
+pub mod transport;
 #[cfg(feature = "ucx")]
 pub mod ucx;
 pub mod wire;

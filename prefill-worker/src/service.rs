@@ -16,7 +16,7 @@ use pb::prefill_worker_server::PrefillWorker;
 use pd_engine::Engine;
 use pd_kv_transfer::convert::{sampling_from_pb, Target};
 use pd_kv_transfer::engine_io::geometry_of;
-use pd_kv_transfer::grpc::GrpcKvSender;
+use pd_kv_transfer::transport::AnySender;
 use pd_proto::v1 as pb;
 use pd_telemetry::metrics::PrefillMetrics;
 use pd_telemetry::opentelemetry::{Context, KeyValue};
@@ -48,7 +48,8 @@ pub struct PrefillService {
     steps: Steps,
     gauges: Arc<Gauges>,
     /// One KV connection per decode worker, reused across requests.
-    senders: Arc<Mutex<HashMap<String, GrpcKvSender>>>,
+    /// Connected senders by endpoint (gRPC or UCX, as the endpoint names).
+    senders: Arc<Mutex<HashMap<String, AnySender>>>,
     config: ServiceConfig,
     metrics: PrefillMetrics,
     stopping: Arc<AtomicBool>,
@@ -107,12 +108,12 @@ impl PrefillService {
         }
     }
 
-    /// A connected sender to `endpoint`, reused across requests.
-    async fn sender(&self, endpoint: &str) -> Result<GrpcKvSender, PrefillError> {
+    /// A connected sender to `endpoint` (over the transport it names), reused across requests.
+    async fn sender(&self, endpoint: &str) -> Result<AnySender, PrefillError> {
         if let Some(s) = self.senders.lock().ok().and_then(|m| m.get(endpoint).cloned()) {
             return Ok(s);
         }
-        let sender = GrpcKvSender::connect_with(endpoint, self.config.kv_timeout, self.config.kv_tls.clone()).await?;
+        let sender = AnySender::connect(endpoint, self.config.kv_timeout, self.config.kv_tls.clone()).await?;
         if let Ok(mut m) = self.senders.lock() {
             m.insert(endpoint.to_string(), sender.clone());
         }
@@ -170,6 +171,7 @@ impl PrefillService {
     async fn run(&self, checked: Checked, spans: &Spans, arrived: Instant) -> Result<PrefillSent, PrefillError> {
         let endpoint = checked.target.kv_endpoint.clone();
         let sender = self.sender(&endpoint).await?;
+        spans.send.set("pd.kv.transport", sender.transport().name());
         let tokens = checked.prompt.len();
         let counted = Mutex::new(Counted::new(self.gauges.clone(), tokens as u64, arrived));
         let ship_from = checked.target.cached_tokens as usize;
@@ -198,6 +200,8 @@ impl PrefillService {
         if sent.as_ref().is_err_and(PrefillError::breaks_connection) {
             self.forget_sender(&endpoint);
         }
+        let outcome = if sent.is_ok() { "committed" } else { "failed" };
+        self.metrics.kv_transfers.with_label_values(&[sender.transport().name(), outcome]).inc();
         sent
     }
 

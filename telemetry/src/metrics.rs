@@ -26,6 +26,7 @@ pub mod names {
     pub const PREFILL_TIME: &str = "pd_request_prefill_time_seconds";
     pub const KV_TRANSFER_TIME: &str = "pd_kv_transfer_time_seconds";
     pub const KV_TRANSFER_BYTES: &str = "pd_kv_transfer_bytes_total";
+    pub const KV_TRANSFERS: &str = "pd_kv_transfers_total";
     pub const DECODE_TIME: &str = "pd_request_decode_time_seconds";
     pub const WAITING_PREFILL_TOKENS: &str = "pd_waiting_prefill_tokens";
     pub const RUNNING_DECODE_SEQUENCES: &str = "pd_running_decode_sequences";
@@ -252,6 +253,8 @@ pub struct PrefillMetrics {
     pub queue_time: HistogramVec,
     pub prefill_time: HistogramVec,
     pub kv_transfer_bytes: IntCounter,
+    /// Transfers by transport (`grpc`, `ucx`) and outcome (`committed`, `failed`).
+    pub kv_transfers: IntCounterVec,
     pub waiting_tokens: Gauge,
     pub oldest_age: Gauge,
     pub rejected: IntCounterVec,
@@ -272,6 +275,11 @@ impl PrefillMetrics {
             ),
             prefill_time: m.histogram(names::PREFILL_TIME, "Prefill compute, first chunk to last layer.", STAGE_LABELS),
             kv_transfer_bytes: m.counter(names::KV_TRANSFER_BYTES, "KV bytes sent to decode workers and committed."),
+            kv_transfers: m.counter_vec(
+                names::KV_TRANSFERS,
+                "Prefill-to-decode KV transfers, by transport and outcome.",
+                &["transport", "outcome"],
+            ),
             waiting_tokens: m.gauge(names::WAITING_PREFILL_TOKENS, "Prompt tokens of queued and running prefills."),
             oldest_age: m
                 .gauge(names::QUEUE_OLDEST_AGE, "Age of the oldest prefill still waiting to start (0 when none)."),

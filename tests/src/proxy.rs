@@ -84,61 +84,67 @@ impl Drop for FaultProxy {
     }
 }
 
-async fn connection(down: TcpStream, up: TcpStream, rx: watch::Receiver<State>) {
+async fn connection(mut down: TcpStream, mut up: TcpStream, rx: watch::Receiver<State>) {
     let born = rx.borrow().generation;
     let _ = down.set_nodelay(true);
     let _ = up.set_nodelay(true);
-    let (down_r, down_w) = down.into_split();
-    let (up_r, up_w) = up.into_split();
-    let forward = pump(down_r, up_w, rx.clone(), born);
-    let backward = pump(up_r, down_w, rx.clone(), born);
-    // Either direction ending (EOF, error, or a cut) ends the connection.
-    tokio::select! {
-        _ = forward => {}
-        _ = backward => {}
+    let cut = {
+        // Borrowed halves: dropping them shuts nothing down (an owned write half would send
+        // a FIN as it drops, and a cut would look like a clean close).
+        let (mut down_r, mut down_w) = down.split();
+        let (mut up_r, mut up_w) = up.split();
+        // Either direction ending (EOF, error, or a cut) ends the connection.
+        tokio::select! {
+            c = pump(&mut down_r, &mut up_w, rx.clone(), born) => c,
+            c = pump(&mut up_r, &mut down_w, rx.clone(), born) => c,
+        }
+    };
+    if cut {
+        // Linger 0: closing each socket sends an RST, what a lossy link's peers see.
+        let _ = socket_linger_zero(&down);
+        let _ = socket_linger_zero(&up);
     }
 }
 
-/// Copies `from` to `to` under the proxy's mode; returns when either side ends or a cut
-/// reaches this connection.
-async fn pump(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    mut rx: watch::Receiver<State>,
-    born: u64,
-) {
+/// Copies `from` to `to` under the proxy's mode; returns when either side ends (false) or a
+/// cut reaches this connection (true).
+async fn pump<R, W>(from: &mut R, to: &mut W, mut rx: watch::Receiver<State>, born: u64) -> bool
+where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
     let mut buf = vec![0u8; 16 * 1024];
     loop {
         let n = tokio::select! {
             r = from.read(&mut buf) => match r {
-                Ok(0) | Err(_) => return,
+                Ok(0) | Err(_) => return false,
                 Ok(n) => n,
             },
-            _ = cut(&mut rx, born) => return reset(from, to),
+            _ = cut(&mut rx, born) => return true,
         };
         // Hold the chunk as the mode says; a cut meanwhile ends the connection.
         loop {
             let state = *rx.borrow_and_update();
             if state.generation != born {
-                return reset(from, to);
+                return true;
             }
             match state.mode {
                 Mode::Pass => break,
                 Mode::Delay(d) => {
                     tokio::select! {
                         _ = tokio::time::sleep(d) => break,
-                        _ = cut(&mut rx, born) => return reset(from, to),
+                        _ = cut(&mut rx, born) => return true,
                     }
                 }
                 Mode::Stall => {
                     if rx.changed().await.is_err() {
-                        return;
+                        return false;
                     }
                 }
             }
         }
         if to.write_all(&buf[..n]).await.is_err() {
-            return;
+            return false;
         }
     }
 }
@@ -148,13 +154,6 @@ async fn cut(rx: &mut watch::Receiver<State>, born: u64) {
     let mut rx = rx.clone();
     if rx.wait_for(|s| s.generation != born).await.is_err() {
         std::future::pending::<()>().await;
-    }
-}
-
-/// Ends a connection with a reset: linger 0 makes the close an RST.
-fn reset(from: tokio::net::tcp::OwnedReadHalf, to: tokio::net::tcp::OwnedWriteHalf) {
-    if let Ok(stream) = from.reunite(to) {
-        let _ = socket_linger_zero(&stream);
     }
 }
 
@@ -227,9 +226,11 @@ mod tests {
         assert_eq!(&got, b"held");
 
         proxy.cut();
-        let after =
-            tokio::time::timeout(Duration::from_secs(5), roundtrip(&mut s, b"gone")).await.expect("test socket");
-        assert!(after.is_err(), "a cut connection fails: {after:?}");
+        // A reset, not a clean close: the next read fails with ECONNRESET instead of an EOF.
+        let mut byte = [0u8; 1];
+        let after = tokio::time::timeout(Duration::from_secs(5), s.read(&mut byte)).await.expect("test socket");
+        let err = after.expect_err("a cut connection fails");
+        assert_eq!(err.kind(), std::io::ErrorKind::ConnectionReset, "a reset, not a clean close: {err:?}");
         // New connections work after a cut.
         let mut s2 = TcpStream::connect(proxy.addr).await.expect("test socket");
         assert_eq!(roundtrip(&mut s2, b"again").await.expect("test socket"), b"again");

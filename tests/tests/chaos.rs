@@ -5,9 +5,11 @@
 //! a partition (a worker's or the router's link down, then up), a rate-limited link (`tbf`),
 //! and delay, a stall past the KV timeout, and reset connections on the KV path (each decode
 //! worker advertises a user-space fault proxy in the client's namespace as its KV endpoint,
-//! so every prefill -> decode transfer passes through it). After each fault every request either
-//! completed with exactly the tokens of an undisturbed run or ended with a typed error, within
-//! its deadline; once the load stops every KV block on every worker is free. The matrix of
+//! so every prefill -> decode transfer passes through it; a cut resets its connections, linger
+//! 0). After a recoverable fault every request completed with exactly the tokens of an
+//! undisturbed run, within its deadline; only where the fault outlasts a stated timeout (the
+//! KV stall, `Fault::may_fail`) may one end with a typed error instead; once the load stops
+//! every KV block on every worker is free. The matrix of
 //! faults x outcomes is printed. `PD_CHAOS_FAULTS` sets the number of faults (default 8;
 //! `scripts/chaos.sh` runs more), `PD_CHAOS_SEED` the seed. Needs root (CI runs as root);
 //! without it the test says why and passes without running.
@@ -75,6 +77,15 @@ impl Fault {
             Fault::Partition | Fault::Throttle => &["router", "p0", "p1", "d0", "d1"],
             Fault::KvDelay | Fault::KvStall | Fault::KvCut => &["d0", "d1"],
         }
+    }
+
+    /// Whether a request may end with a typed error under this fault: only where the fault
+    /// outlasts a stated timeout (a stall of the KV path, 6 s, past the prefill worker's 5 s
+    /// KV timeout). Every other fault is recoverable (a kill is retried or migrated, a stop, a
+    /// partition is shorter than the decode lease, a slow or reset link is retried), so the
+    /// request must end with exactly the undisturbed tokens.
+    fn may_fail(self) -> bool {
+        self == Fault::KvStall
     }
 }
 
@@ -228,7 +239,7 @@ async fn wait_idle(chaos: &Chaos) -> Result<(), String> {
 }
 
 #[test]
-fn faults_leave_every_request_identical_or_a_typed_error_and_no_block_held() {
+fn recoverable_faults_leave_every_request_identical_and_no_block_held() {
     if !cfg!(target_os = "linux") || unsafe_geteuid() != 0 {
         eprintln!("chaos: skipped: network namespaces need root (CI runs as root)");
         return;
@@ -372,7 +383,9 @@ async fn run(chaos: &mut Chaos, faults: usize, seed: u64) -> Result<(), String> 
             let ((outcome, detail), took) = task.await.map_err(|e| e.to_string())?;
             let slowest = slowest.entry(fault).or_insert(Duration::ZERO);
             *slowest = (*slowest).max(took);
-            if matches!(outcome, Outcome::Wrong | Outcome::Hang) {
+            if matches!(outcome, Outcome::Wrong | Outcome::Hang)
+                || (outcome == Outcome::TypedError && !fault.may_fail())
+            {
                 problems.push(format!("round {round} ({fault:?} {node}): {outcome:?}: {detail}"));
             }
             *matrix.entry((fault, outcome)).or_default() += 1;

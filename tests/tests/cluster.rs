@@ -416,3 +416,30 @@ async fn a_bad_token_on_the_internal_api_fails_only_its_own_request() {
     assert_eq!(text.matches("\"text\":").count(), 48 + 1, "every token and the finish chunk: {text}");
     cluster.wait_kv_free(Duration::from_secs(5)).await;
 }
+
+/// KV over UCX: the decode worker serves `--kv-transport ucx` (UCX_TLS=tcp on loopback) and
+/// advertises a `ucx://` endpoint; the prefill worker connects by it. Answers are the
+/// engine's greedy ones, every transfer is counted under `transport="ucx"` on the prefill
+/// worker and none under gRPC, and the KV is freed after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_over_ucx_gives_the_engines_answers() {
+    let env = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")].map(|(k, v)| (k.to_string(), v.to_string())).to_vec();
+    let decode_args = vec!["--kv-transport".to_string(), "ucx".to_string()];
+    let cluster = Cluster::start_with(pd_tests::Options { prefill: 1, env, decode_args, ..Default::default() }).await;
+    let engine = Engine::load(&model_path(), LoadOptions::default(), CacheConfig::with_blocks(64)).expect("engine");
+    for question in &QUESTIONS[..3] {
+        let prompt = engine.chat_prompt(&[ChatMessage::new("user", question)]).expect("prompt");
+        let expected = engine.generate(&prompt, &SamplingParams::greedy(24), 512, |_| {}).expect("engine");
+        let body = json!({"messages": [{"role": "user", "content": question}], "max_tokens": 24, "temperature": 0});
+        let (status, body) = post(&cluster, "/v1/chat/completions", body).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["choices"][0]["message"]["content"], expected.text, "over UCX for {question:?}");
+    }
+    let metrics = Cluster::scrape(&cluster.prefill_metrics[0]).await;
+    let count = |transport: &str| {
+        let series = format!("pd_kv_transfers_total{{outcome=\"committed\",transport=\"{transport}\"}} ");
+        metrics.lines().find_map(|l| l.strip_prefix(&series)).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
+    };
+    assert_eq!((count("ucx"), count("grpc")), (3.0, 0.0), "{metrics}");
+    cluster.wait_kv_free(Duration::from_secs(5)).await;
+}
