@@ -159,6 +159,17 @@ fn spawn_decode(listen: &str, options: &Options, log: Option<PathBuf>) -> (Proc,
     (proc, addr, metrics)
 }
 
+fn spawn_prefill(listen: &str, options: &Options, log: Option<PathBuf>) -> (Proc, String, String) {
+    let model = model_path();
+    let model = model.to_str().expect("utf-8 path");
+    let mut args = strings(&["--listen", listen, "--metrics-listen", "127.0.0.1:0", "--model", model]);
+    args.extend(options.prefill_args.iter().cloned());
+    let (proc, lines) = spawn("pd-prefill", &args, "pd-prefill listening on", options, log);
+    let addr = lines.last().cloned().unwrap_or_default();
+    let metrics = printed(&lines, "pd-prefill metrics on");
+    (proc, addr, metrics)
+}
+
 /// The address printed after `prefix` among `lines`.
 fn printed(lines: &[String], prefix: &str) -> String {
     lines
@@ -232,8 +243,6 @@ impl Cluster {
     }
 
     pub async fn start_with(options: Options) -> Cluster {
-        let model = model_path();
-        let model = model.to_str().expect("utf-8 path");
         let logs = options.capture_logs.then(|| tempfile::tempdir().expect("log folder"));
         let log = |name: &str| logs.as_ref().map(|d| d.path().join(format!("{name}.log")));
         let mut decodes = Vec::new();
@@ -251,13 +260,10 @@ impl Cluster {
         let mut addrs = Vec::new();
         let mut prefill_metrics = Vec::new();
         for i in 0..options.prefill {
-            let mut args = strings(&["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--model", model]);
-            args.extend(options.prefill_args.iter().cloned());
-            let (p, lines) =
-                spawn("pd-prefill", &args, "pd-prefill listening on", &options, log(&format!("pd-prefill-{i}")));
+            let (p, addr, metrics) = spawn_prefill("127.0.0.1:0", &options, log(&format!("pd-prefill-{i}")));
             workers.push(p);
-            addrs.push(lines.last().cloned().unwrap_or_default());
-            prefill_metrics.push(printed(&lines, "pd-prefill metrics on"));
+            addrs.push(addr);
+            prefill_metrics.push(metrics);
         }
         let (router, http, grpc) = spawn_router(&addrs, &decode_addrs, &options, log("pd-router"));
         let cluster = Cluster {
@@ -310,6 +316,24 @@ impl Cluster {
         } else {
             self.more_decode[i - 1] = new;
         }
+    }
+
+    /// Kills prefill worker `i` (SIGKILL) and starts a new one on the same address, as a
+    /// restarted pod behind the same name; its log goes to `pd-prefill-<i>-restarted`.
+    pub fn restart_prefill(&mut self, i: usize) {
+        self.prefill[i].kill();
+        let log = self.logs.as_ref().map(|d| d.path().join(format!("pd-prefill-{i}-restarted.log")));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let (new, addr, metrics) = loop {
+            match std::panic::catch_unwind(|| spawn_prefill(&self.prefill_addrs[i], &self.options, log.clone())) {
+                Ok(started) => break started,
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(200)),
+                Err(e) => std::panic::resume_unwind(e),
+            }
+        };
+        assert_eq!(addr, self.prefill_addrs[i], "restarted on the same address");
+        self.prefill[i] = new;
+        self.prefill_metrics[i] = metrics;
     }
 
     /// What a process wrote to stderr so far (`pd-router`, `pd-decode`, `pd-prefill-0`, ...),

@@ -16,7 +16,7 @@ use std::process::{Command, Stdio};
 use pd_tests::Cluster;
 use serde_json::Value;
 
-const OVERLAYS: [&str; 2] = ["cpu-dev", "gpu"];
+const OVERLAYS: [&str; 3] = ["cpu-dev", "gpu", "gpu-rdma"];
 const KUBERNETES_VERSION: &str = "1.32.0";
 
 fn repo() -> PathBuf {
