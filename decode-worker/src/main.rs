@@ -90,6 +90,14 @@ fn main() -> anyhow::Result<()> {
     }
     // Before any other thread exists: the compute pools read this once.
     set_compute_threads(args.threads)?;
+    if args.kv_transport == pd_kv_transfer::transport::Transport::Ucx
+        && std::env::var_os("UCX_TCP_CM_REUSEADDR").is_none()
+    {
+        // A worker restarted on its UCX port (a restarted pod) must listen again while the
+        // killed process's connections linger in TIME_WAIT. UCX reads this from the
+        // environment only; set before any thread exists.
+        std::env::set_var("UCX_TCP_CM_REUSEADDR", "y");
+    }
     tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(serve(args, config))
 }
 

@@ -20,6 +20,7 @@ pub mod error;
 pub mod gauges;
 pub mod pipeline;
 pub mod score;
+pub mod senders;
 pub mod service;
 pub mod step;
 pub mod steps;

@@ -7,7 +7,6 @@
 //! draining (SIGTERM) new prefills are refused with UNAVAILABLE, which the router retries on
 //! another worker.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -16,7 +15,6 @@ use pb::prefill_worker_server::PrefillWorker;
 use pd_engine::Engine;
 use pd_kv_transfer::convert::{sampling_from_pb, Target};
 use pd_kv_transfer::engine_io::geometry_of;
-use pd_kv_transfer::transport::AnySender;
 use pd_proto::v1 as pb;
 use pd_telemetry::metrics::PrefillMetrics;
 use pd_telemetry::opentelemetry::{Context, KeyValue};
@@ -26,6 +24,7 @@ use tonic::{Request, Response, Status};
 use crate::error::PrefillError;
 use crate::gauges::{Counted, Gauges};
 use crate::pipeline::{prefill_and_send, PrefillJob, PrefillSent};
+use crate::senders::Senders;
 use crate::step::StepConfig;
 use crate::steps::{Preemptions, StepEvent, Steps};
 
@@ -48,8 +47,7 @@ pub struct PrefillService {
     steps: Steps,
     gauges: Arc<Gauges>,
     /// One KV connection per decode worker, reused across requests.
-    /// Connected senders by endpoint (gRPC or UCX, as the endpoint names).
-    senders: Arc<Mutex<HashMap<String, AnySender>>>,
+    senders: Senders,
     config: ServiceConfig,
     metrics: PrefillMetrics,
     stopping: Arc<AtomicBool>,
@@ -77,7 +75,7 @@ impl PrefillService {
             steps: Steps::start(engine.clone(), config.step)?,
             engine,
             gauges: Arc::new(Gauges::default()),
-            senders: Arc::new(Mutex::new(HashMap::new())),
+            senders: Senders::new(config.kv_timeout, config.kv_tls.clone()),
             config,
             metrics,
             stopping: Arc::new(AtomicBool::new(false)),
@@ -105,24 +103,6 @@ impl PrefillService {
             self.metrics.preemptions.inc_by(now.steps.saturating_sub(seen.steps));
             self.metrics.preempted_compute.inc_by(now.discarded.saturating_sub(seen.discarded).as_secs_f64());
             *seen = now;
-        }
-    }
-
-    /// A connected sender to `endpoint` (over the transport it names), reused across requests.
-    async fn sender(&self, endpoint: &str) -> Result<AnySender, PrefillError> {
-        if let Some(s) = self.senders.lock().ok().and_then(|m| m.get(endpoint).cloned()) {
-            return Ok(s);
-        }
-        let sender = AnySender::connect(endpoint, self.config.kv_timeout, self.config.kv_tls.clone()).await?;
-        if let Ok(mut m) = self.senders.lock() {
-            m.insert(endpoint.to_string(), sender.clone());
-        }
-        Ok(sender)
-    }
-
-    fn forget_sender(&self, endpoint: &str) {
-        if let Ok(mut m) = self.senders.lock() {
-            m.remove(endpoint);
         }
     }
 
@@ -170,7 +150,7 @@ impl PrefillService {
     /// Runs the pipeline for a checked request, counted in the gauges from `arrived`.
     async fn run(&self, checked: Checked, spans: &Spans, arrived: Instant) -> Result<PrefillSent, PrefillError> {
         let endpoint = checked.target.kv_endpoint.clone();
-        let sender = self.sender(&endpoint).await?;
+        let sender = self.senders.to(&endpoint).await?;
         spans.send.set("pd.kv.transport", sender.transport().name());
         let tokens = checked.prompt.len();
         let counted = Mutex::new(Counted::new(self.gauges.clone(), tokens as u64, arrived));
@@ -198,7 +178,7 @@ impl PrefillService {
         };
         let sent = prefill_and_send(job, &sender, &self.steps, progress).await;
         if sent.as_ref().is_err_and(PrefillError::breaks_connection) {
-            self.forget_sender(&endpoint);
+            self.senders.forget(&endpoint);
         }
         let outcome = if sent.is_ok() { "committed" } else { "failed" };
         self.metrics.kv_transfers.with_label_values(&[sender.transport().name(), outcome]).inc();

@@ -36,7 +36,24 @@ async fn wait_ready(url: &str, what: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_restarted_on_their_address_cost_no_request_once_back() {
-    let mut cluster = Cluster::start_with(Options { prefill: 1, ..Options::default() }).await;
+    restarts_cost_no_request(Options { prefill: 1, ..Options::default() }).await;
+}
+
+/// The same over UCX, with the decode worker's UCX listener on a fixed port, so the
+/// restarted worker must listen on it again (its old connections in TIME_WAIT) and advertises
+/// the same `ucx://` endpoint the prefill worker has a cached, now dead, UCX connection to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_restarted_on_their_address_cost_no_request_once_back_over_ucx() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port();
+    let decode_args =
+        ["--kv-transport".to_string(), "ucx".into(), "--kv-ucx-listen".into(), format!("127.0.0.1:{port}")];
+    let env = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")].map(|(k, v)| (k.to_string(), v.to_string())).to_vec();
+    restarts_cost_no_request(Options { prefill: 1, decode_args: decode_args.to_vec(), env, ..Options::default() })
+        .await;
+}
+
+async fn restarts_cost_no_request(options: Options) {
+    let mut cluster = Cluster::start_with(options).await;
     let (status, expected) = complete(&cluster, PROMPT).await;
     assert_eq!(status, 200, "{expected}");
     for round in 0..2 {
