@@ -460,7 +460,12 @@ fn stream_response(
             }
             Ok(Update::Finished { index, mut finish_reason, .. }) => {
                 let answer = answers.get(index);
-                let (pieces, made_calls) = answer.calls.as_mut().map(CallStream::finish).unwrap_or_default();
+                let (mut pieces, made_calls) = answer.calls.as_mut().map(CallStream::finish).unwrap_or_default();
+                if pieces.is_empty() && answer.logprobs.as_ref().is_some_and(|l| !l.is_empty()) {
+                    // Tokens held back at the end (white space after a call): their log
+                    // probabilities still go out, on an empty chunk.
+                    pieces.push(Piece::Content(String::new()));
+                }
                 if made_calls {
                     finish_reason = "tool_calls".into();
                 }

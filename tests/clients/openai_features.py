@@ -167,12 +167,18 @@ for tool_choice in ({"type": "function", "function": {"name": "get_weather"}}, "
 # Streamed, the call arrives as OpenAI streams it: a first delta with its id and name, then
 # the arguments in pieces as the model writes them, adding up to the whole answer's.
 whole = chat(messages=ask, tools=[weather], tool_choice="required", max_tokens=60, temperature=0)
-pieces, finish = [], None
-for chunk in chat(messages=ask, tools=[weather], tool_choice="required", max_tokens=60, temperature=0, stream=True):
+pieces, finish, positions, used = [], None, 0, None
+for chunk in chat(messages=ask, tools=[weather], tool_choice="required", max_tokens=60, temperature=0, stream=True,
+                  logprobs=True, stream_options={"include_usage": True}):
+    if chunk.usage:
+        used = chunk.usage.completion_tokens
     if chunk.choices and chunk.choices[0].delta.tool_calls:
         pieces += chunk.choices[0].delta.tool_calls
+    if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+        positions += len(chunk.choices[0].logprobs.content)
     if chunk.choices and chunk.choices[0].finish_reason:
         finish = chunk.choices[0].finish_reason
+check("streamed tool calls with logprobs: one position per generated token", positions == used, (positions, used))
 check("streamed tool calls arrive as delta.tool_calls", finish == "tool_calls" and pieces and pieces[0].function.name == "get_weather" and pieces[0].id, pieces)
 arguments = "".join(p.function.arguments or "" for p in pieces)
 check("streamed arguments come in several deltas and add up to the whole answer's",
