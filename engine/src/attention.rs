@@ -627,6 +627,9 @@ mod tests {
             rope_theta: 10000.0,
             rms_norm_eps: 1e-5,
             rope_style: RopeStyle::Halves,
+            rope_scaling: Default::default(),
+            qkv_bias: false,
+            qk_norm: false,
         };
         let config = CacheConfig { prefix_cache: false, block_size: 4, dtype, ..CacheConfig::with_blocks(8) };
         let cache = KvCache::new(&model, &config, &Device::Cpu)?;

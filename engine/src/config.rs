@@ -2,6 +2,7 @@
 //! once, so the forward pass can trust them. Also the engine-level settings a worker chooses.
 
 use crate::error::{EngineError, Result};
+pub use crate::rope::RopeScaling;
 
 /// How rotary embeddings pair the dimensions of a head. GGUF Llama checkpoints store Q/K
 /// permuted for interleaved pairs (2i, 2i+1); Hugging Face checkpoints use halves (i, i+d/2).
@@ -11,7 +12,9 @@ pub enum RopeStyle {
     Halves,
 }
 
-/// Llama-family hyperparameters.
+/// Hyperparameters of the decoder families the engine runs: Llama (and its context-extended
+/// Llama 3.x), Qwen2 / Qwen2.5 (biases on Q, K and V) and Qwen3 (RMSNorm on each head of Q
+/// and K before the rotation).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
     pub vocab_size: usize,
@@ -26,6 +29,13 @@ pub struct ModelConfig {
     pub rope_theta: f32,
     pub rms_norm_eps: f64,
     pub rope_style: RopeStyle,
+    /// How rotary frequencies are changed for a longer context (Llama 3.x, YaRN, ...).
+    pub rope_scaling: RopeScaling,
+    /// Q, K and V projections have biases (Qwen2, Llama's `attention_bias`).
+    pub qkv_bias: bool,
+    /// Each head of Q and K is RMS-normalised (own weights of `head_dim`) before rotary
+    /// embeddings (Qwen3).
+    pub qk_norm: bool,
 }
 
 impl ModelConfig {
@@ -67,7 +77,7 @@ impl ModelConfig {
                 self.rms_norm_eps
             )));
         }
-        Ok(())
+        self.rope_scaling.validate()
     }
 
     /// Width of one token's K (or V) in one layer.

@@ -13,9 +13,16 @@ pub enum EngineError {
     /// The GGUF container is malformed or truncated.
     #[error("{path} is not a usable GGUF file: {reason}")]
     InvalidGguf { path: PathBuf, reason: String },
-    /// The checkpoint is not of the Llama family.
-    #[error("unsupported model architecture `{0}`: this engine runs the Llama family (`llama`)")]
+    /// The checkpoint is of an architecture the engine does not run.
+    #[error("unsupported model architecture `{0}`: this engine runs llama, mistral, qwen2 and qwen3")]
     UnsupportedArchitecture(String),
+    /// A checkpoint setting that changes the model's math and that the engine does not
+    /// implement (serving it anyway would give wrong tokens without an error).
+    #[error("model setting `{field}` is not supported: {reason}")]
+    UnsupportedSetting { field: String, reason: String },
+    /// The checkpoint holds a tensor the architecture as configured does not use.
+    #[error("tensor `{0}` is not used by the model as its config describes it (a setting pd does not read?)")]
+    UnusedTensor(String),
     /// A hyperparameter is missing or has an unusable value.
     #[error("model metadata: {0}")]
     Metadata(String),

@@ -1,4 +1,4 @@
-//! pd-engine: Llama-family inference on candle for a disaggregated server.
+//! pd-engine: inference for Llama-style decoders (Llama 3.x, Qwen2/2.5, Qwen3) on candle for a disaggregated server.
 //!
 //! What it gives the workers: a model whose KV cache is external and paged (`kv`), a forward
 //! pass that batches prefill chunks and decode steps of sequences at different positions
@@ -20,13 +20,15 @@ mod matmul;
 mod matmul_wq;
 pub mod model;
 pub mod profile;
+pub mod rope;
 pub mod sampling;
 mod simd;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{
-    set_compute_threads, CacheConfig, DeviceKind, KvCacheDType, LoadOptions, ModelConfig, RopeStyle, WeightFormat,
+    set_compute_threads, CacheConfig, DeviceKind, KvCacheDType, LoadOptions, ModelConfig, RopeScaling, RopeStyle,
+    WeightFormat,
 };
 pub use constraint::OutputConstraint;
 pub use engine::{load_model, load_text_side, Engine, Generation, LoadedModel, TextSide};

@@ -1,4 +1,5 @@
-//! The Llama forward pass over an external paged KV cache, in candle's order: config, small
+//! The forward pass of Llama-style decoders (Llama, Mistral, Qwen2 with Q/K/V biases, Qwen3
+//! with per-head Q/K norms) over an external paged KV cache, in candle's order: config, small
 //! blocks with `load`, then the model. The cache is passed in, never owned by the weights.
 //!
 //! One `forward` call runs a batch whose rows are the new tokens of several sequences, each at
@@ -82,6 +83,10 @@ impl Linear {
 struct Layer {
     attn_norm: Tensor,
     qkv: Linear,
+    /// Q, K and V biases, concatenated like `qkv`'s outputs (Qwen2).
+    qkv_bias: Option<Tensor>,
+    /// RMSNorm weights of one head of Q and of K (Qwen3).
+    qk_norm: Option<(Tensor, Tensor)>,
     out: Linear,
     ffn_norm: Tensor,
     gate_up: Linear,
@@ -117,13 +122,22 @@ pub struct Model {
 }
 
 impl Model {
-    /// Builds the model from a checkpoint's tensors.
+    /// Builds the model from a checkpoint's tensors. A tensor of the checkpoint that the
+    /// configured architecture does not use is refused (`UnusedTensor`): it means a setting
+    /// the engine did not read.
     pub fn load(
-        config: ModelConfig,
+        mut config: ModelConfig,
         source: &mut dyn TensorSource,
         format: WeightFormat,
         device: &Device,
     ) -> Result<Self> {
+        if let Some(freqs) = source.take("rope_freqs.weight")? {
+            if config.rope_scaling != crate::rope::RopeScaling::None {
+                return Err(EngineError::Metadata("both `rope_freqs` and a rope scaling type are set".into()));
+            }
+            let factors = freqs.dequantize()?.flatten_all()?.to_vec1::<f32>()?;
+            config.rope_scaling = crate::rope::RopeScaling::Factors(factors);
+        }
         config.validate()?;
         crate::simd::check_env()?;
         let c = &config;
@@ -154,17 +168,40 @@ impl Model {
             let gate = req("ffn_gate", &[c.intermediate_size, hidden])?;
             let up = req("ffn_up", &[c.intermediate_size, hidden])?;
             let down = req("ffn_down", &[hidden, c.intermediate_size])?;
+            let qkv_bias = if c.qkv_bias {
+                let parts = [("attn_q", q_width), ("attn_k", kv_width), ("attn_v", kv_width)];
+                let parts = parts.iter().map(|&(part, width)| {
+                    let name = format!("blk.{i}.{part}.bias");
+                    dense_vector(required(source, &name, &[width])?, device)
+                });
+                Some(Tensor::cat(&parts.collect::<Result<Vec<_>>>()?, 0)?)
+            } else {
+                None
+            };
+            let qk_norm = if c.qk_norm {
+                let mut norm = |part: &str| {
+                    dense_vector(required(source, &format!("blk.{i}.{part}.weight"), &[c.head_dim])?, device)
+                };
+                Some((norm("attn_q_norm")?, norm("attn_k_norm")?))
+            } else {
+                None
+            };
             if i == 0 {
                 fingerprint_data.extend(attn_norm.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()));
             }
             layers.push(Layer {
                 attn_norm,
                 qkv: linear(vec![q, k, v], format, device)?,
+                qkv_bias,
+                qk_norm,
                 out: linear(vec![out], format, device)?,
                 ffn_norm,
                 gate_up: linear(vec![gate, up], format, device)?,
                 down: linear(vec![down], format, device)?,
             });
+        }
+        if let Some(name) = source.unused().into_iter().next() {
+            return Err(EngineError::UnusedTensor(name));
         }
         let (cos, sin) = rope_tables(c, device)?;
         Ok(Model {
@@ -283,11 +320,24 @@ impl Model {
         let mut x = self.embed.index_select(&ids, 0)?;
         for (layer_idx, layer) in self.layers.iter().enumerate() {
             let h = timed(Op::Norms, || candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps))?;
-            let qkv = timed(Op::Projections, || layer.qkv.forward(&h))?;
+            let mut qkv = timed(Op::Projections, || layer.qkv.forward(&h))?;
+            if let Some(bias) = &layer.qkv_bias {
+                qkv = qkv.broadcast_add(bias)?;
+            }
+            let (mut q, mut k) = (qkv.narrow(1, 0, q_width)?, qkv.narrow(1, q_width, kv_width)?);
+            if let Some((q_norm, k_norm)) = &layer.qk_norm {
+                (q, k) = timed(Op::Norms, || {
+                    let per_head = |x: &Tensor, w: &Tensor| -> Result<Tensor> {
+                        let heads = x.reshape(((), c.head_dim))?.contiguous()?;
+                        Ok(candle_nn::ops::rms_norm(&heads, w, eps)?.reshape((rows, ()))?)
+                    };
+                    Ok::<_, EngineError>((per_head(&q, q_norm)?, per_head(&k, k_norm)?))
+                })?;
+            }
             let (q, k) = timed(Op::Rope, || {
                 Ok::<_, EngineError>((
-                    self.rope(&qkv.narrow(1, 0, q_width)?, c.num_heads, &cos, &sin)?,
-                    self.rope(&qkv.narrow(1, q_width, kv_width)?, c.num_kv_heads, &cos, &sin)?,
+                    self.rope(&q, c.num_heads, &cos, &sin)?,
+                    self.rope(&k, c.num_kv_heads, &cos, &sin)?,
                 ))
             })?;
             let v = qkv.narrow(1, q_width + kv_width, kv_width)?;
@@ -333,14 +383,20 @@ impl Model {
     }
 }
 
+/// `[max_position, head_dim / 2]` cos and sin, with the checkpoint's rotary scheme (and its
+/// attention factor, which YaRN folds into both).
 fn rope_tables(c: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
     let half = c.head_dim / 2;
-    let inv_freq: Vec<f32> = (0..half).map(|i| 1.0 / c.rope_theta.powf(2.0 * i as f32 / c.head_dim as f32)).collect();
+    let (inv_freq, attention_factor) = c.rope_scaling.frequencies(c.head_dim, c.rope_theta)?;
     let inv_freq = Tensor::from_vec(inv_freq, (1, half), device)?;
     let pos =
         Tensor::arange(0u32, c.max_position as u32, device)?.to_dtype(DType::F32)?.reshape((c.max_position, 1))?;
     let angles = pos.broadcast_mul(&inv_freq)?;
-    Ok((angles.cos()?, angles.sin()?))
+    if attention_factor == 1.0 {
+        return Ok((angles.cos()?, angles.sin()?));
+    }
+    let f = attention_factor as f64;
+    Ok(((angles.cos()? * f)?, (angles.sin()? * f)?))
 }
 
 fn check_shape(name: &str, t: &RawTensor, expected: &[usize]) -> Result<()> {

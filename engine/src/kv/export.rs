@@ -349,6 +349,9 @@ mod tests {
             rope_theta: 10000.0,
             rms_norm_eps: 1e-5,
             rope_style: crate::config::RopeStyle::Halves,
+            rope_scaling: Default::default(),
+            qkv_bias: false,
+            qk_norm: false,
         }
     }
 

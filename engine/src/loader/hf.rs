@@ -1,43 +1,15 @@
-//! Hugging Face model folders of the Llama family: config.json, tokenizer.json,
+//! Hugging Face model folders (Llama, Mistral, Qwen2, Qwen3): config.json, tokenizer.json,
 //! tokenizer_config.json (chat template, optional) and *.safetensors.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use serde::Deserialize;
 
+use super::hf_config::{EosIds, HfConfig};
 use super::{RawTensor, TensorSource};
-use crate::config::{ModelConfig, RopeStyle};
+use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-
-/// The config.json fields the engine reads.
-#[derive(Debug, Deserialize)]
-struct HfConfig {
-    #[serde(default)]
-    architectures: Vec<String>,
-    #[serde(default)]
-    model_type: Option<String>,
-    vocab_size: usize,
-    hidden_size: usize,
-    intermediate_size: usize,
-    num_hidden_layers: usize,
-    num_attention_heads: usize,
-    num_key_value_heads: Option<usize>,
-    head_dim: Option<usize>,
-    max_position_embeddings: usize,
-    rope_theta: Option<f32>,
-    rms_norm_eps: f64,
-    bos_token_id: Option<u32>,
-    eos_token_id: Option<EosIds>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum EosIds {
-    One(u32),
-    Many(Vec<u32>),
-}
 
 /// A model folder with its tensors loaded.
 #[derive(Debug)]
@@ -61,17 +33,7 @@ impl HfFolder {
             .map_err(|source| EngineError::Io { path: config_path.clone(), source })?;
         let config: HfConfig =
             serde_json::from_str(&text).map_err(|e| folder_err(path, format!("config.json: {e}")))?;
-        let llama = config.architectures.iter().any(|a| a == "LlamaForCausalLM")
-            || config.model_type.as_deref() == Some("llama");
-        if !llama {
-            let arch = config
-                .architectures
-                .first()
-                .cloned()
-                .or_else(|| config.model_type.clone())
-                .unwrap_or_else(|| "unknown".into());
-            return Err(EngineError::UnsupportedArchitecture(arch));
-        }
+        config.family()?;
         let mut files: Vec<PathBuf> = std::fs::read_dir(path)
             .map_err(|source| EngineError::Io { path: path.to_path_buf(), source })?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -91,22 +53,7 @@ impl HfFolder {
     }
 
     pub fn model_config(&self) -> Result<ModelConfig> {
-        let c = &self.config;
-        let config = ModelConfig {
-            vocab_size: c.vocab_size,
-            hidden_size: c.hidden_size,
-            intermediate_size: c.intermediate_size,
-            num_layers: c.num_hidden_layers,
-            num_heads: c.num_attention_heads,
-            num_kv_heads: c.num_key_value_heads.unwrap_or(c.num_attention_heads),
-            head_dim: c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads.max(1)),
-            max_position: c.max_position_embeddings,
-            rope_theta: c.rope_theta.unwrap_or(10_000.0),
-            rms_norm_eps: c.rms_norm_eps,
-            rope_style: RopeStyle::Halves,
-        };
-        config.validate()?;
-        Ok(config)
+        self.config.model_config()
     }
 
     pub fn eos_ids(&self) -> Vec<u32> {
@@ -159,6 +106,7 @@ fn hf_name(gguf: &str) -> Option<String> {
         "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
         "output_norm.weight" => return Some("model.norm.weight".into()),
         "output.weight" => return Some("lm_head.weight".into()),
+        "rope_freqs.weight" => return None,
         _ => {}
     }
     let rest = gguf.strip_prefix("blk.")?;
@@ -169,6 +117,11 @@ fn hf_name(gguf: &str) -> Option<String> {
         "attn_k.weight" => "self_attn.k_proj.weight",
         "attn_v.weight" => "self_attn.v_proj.weight",
         "attn_output.weight" => "self_attn.o_proj.weight",
+        "attn_q.bias" => "self_attn.q_proj.bias",
+        "attn_k.bias" => "self_attn.k_proj.bias",
+        "attn_v.bias" => "self_attn.v_proj.bias",
+        "attn_q_norm.weight" => "self_attn.q_norm.weight",
+        "attn_k_norm.weight" => "self_attn.k_norm.weight",
         "ffn_norm.weight" => "post_attention_layernorm.weight",
         "ffn_gate.weight" => "mlp.gate_proj.weight",
         "ffn_up.weight" => "mlp.up_proj.weight",
@@ -181,11 +134,20 @@ fn hf_name(gguf: &str) -> Option<String> {
 impl TensorSource for HfFolder {
     fn take(&mut self, name: &str) -> Result<Option<RawTensor>> {
         let Some(hf) = hf_name(name) else { return Ok(None) };
+        let tied = name == "output.weight" && self.config.tied_embeddings();
         match self.tensors.remove(&hf) {
+            // A tied checkpoint that also stores the copy: the embedding is what the model uses.
+            Some(_) if tied => Ok(None),
             Some(t) => Ok(Some(RawTensor::Dense(t))),
+            None if tied => Ok(None),
             // Report the name as the folder spells it.
-            None if name != "output.weight" => Err(EngineError::MissingTensor(hf)),
-            None => Ok(None),
+            None => Err(EngineError::MissingTensor(hf)),
         }
+    }
+
+    fn unused(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.tensors.keys().cloned().collect();
+        names.sort();
+        names
     }
 }

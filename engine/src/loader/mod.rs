@@ -4,6 +4,9 @@
 
 pub mod gguf;
 pub mod hf;
+mod hf_config;
+
+pub use hf_config::Family;
 
 use candle_core::quantized::QTensor;
 use candle_core::Tensor;
@@ -40,4 +43,10 @@ impl RawTensor {
 pub trait TensorSource {
     /// The tensor, or `None` when the checkpoint does not have it.
     fn take(&mut self, name: &str) -> Result<Option<RawTensor>>;
+
+    /// Tensors of the checkpoint no `take` asked for (after loading: the model as configured
+    /// does not use them, which means a setting the engine does not read).
+    fn unused(&self) -> Vec<String> {
+        Vec::new()
+    }
 }

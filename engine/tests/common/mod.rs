@@ -24,6 +24,9 @@ pub fn tiny_config() -> ModelConfig {
         rope_theta: 10_000.0,
         rms_norm_eps: 1e-5,
         rope_style: RopeStyle::Halves,
+        rope_scaling: Default::default(),
+        qkv_bias: false,
+        qk_norm: false,
     }
 }
 

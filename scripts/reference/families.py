@@ -1,0 +1,246 @@
+"""Tiny random checkpoints of each model family the engine serves, made by Hugging Face
+transformers, with transformers' own logits and greedy tokens as the reference pd is tested
+against (engine/tests/families.rs). Run by hand when a family is added (torch is not a CI
+dependency); the outputs are small and committed:
+
+  python3 -m venv target/refenv && target/refenv/bin/pip install torch transformers gguf safetensors
+  target/refenv/bin/python scripts/reference/families.py engine/tests/data/families
+
+Each case is a folder with config.json, model.safetensors (bf16: the weights are rounded to
+bf16 once, and transformers computes in f32 from those values, as pd does) and
+model.gguf for the families llama.cpp converts (written here with the `gguf` package in
+llama.cpp's layout: tensor names, Q/K permuted for Llama, Llama 3.1's scaling as the
+`rope_freqs` tensor; matrices f16, which holds these bf16 values exactly), and
+reference.json: the prompt's token ids, 32 greedy tokens after it, and the logits (f32) at
+every position of prompt + greedy tokens. Weights are drawn wider than transformers'
+initialisation (std 0.02 gives near-uniform logits, where greedy tokens are ties) and every
+norm weight and bias is random, so each part of the math shows in the output.
+"""
+
+import json
+import os
+import sys
+
+import math
+
+import gguf
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+CASES = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    # Llama 3.1's scheme with the original context small enough that it changes most frequencies.
+    "llama3-rope": (
+        "llama",
+        {
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ),
+    "llama-linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "llama-yarn-rope": (
+        "llama",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+    ),
+    "mistral": ("mistral", {"sliding_window": None, "head_dim": 16}),
+    "qwen2": ("qwen2", {"tie_word_embeddings": True, "use_sliding_window": False}),
+    # head_dim above hidden / heads, as in Qwen3-0.6B (1024 wide, 16 heads of 128).
+    "qwen3": ("qwen3", {"head_dim": 32, "use_sliding_window": False}),
+}
+
+# GGUF architecture of each case llama.cpp converts (Mistral's files use llama's).
+GGUF_ARCH = {
+    "llama": "llama",
+    "llama-tied": "llama",
+    "llama3-rope": "llama",
+    "llama-linear-rope": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+
+PROMPT = [1, 17, 99, 5, 64, 23, 88, 41, 7, 120, 33, 56]
+GREEDY = 32
+
+
+def randomise(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p.shape[-1]
+                p.copy_(1.5 * torch.randn(p.shape, generator=g) / fan_in**0.5)
+            # Round once to bf16: the file holds exactly the values the reference computes with.
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+
+
+def permute(w, heads):
+    """llama.cpp's reordering of Llama's Q and K rows for interleaved rotary pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(config, head_dim):
+    """What llama.cpp's converter stores as `rope_freqs` for Llama 3.1's scaling."""
+    p = config.rope_parameters
+    base, factor = p["rope_theta"], p["factor"]
+    low, high, old = p["low_freq_factor"], p["high_freq_factor"], p["original_max_position_embeddings"]
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    out = []
+    for f in freqs.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_gguf(path, arch, config, model):
+    c = config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    rope = c.rope_parameters.get("rope_type", "default")
+    if rope == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(c.rope_parameters["factor"])
+    tensors = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    if rope == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(c, head_dim))
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "self_attn.q_proj.bias": "attn_q.bias",
+        "self_attn.k_proj.bias": "attn_k.bias",
+        "self_attn.v_proj.bias": "attn_v.bias",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
+    for name, t in tensors.items():
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if c.tie_word_embeddings:
+                continue
+            out = "output.weight"
+        else:
+            layer, part = name.removeprefix("model.layers.").split(".", 1)
+            out = f"blk.{layer}.{names[part]}"
+            if arch == "llama" and part == "self_attn.q_proj.weight":
+                t = permute(t, c.num_attention_heads)
+            if arch == "llama" and part == "self_attn.k_proj.weight":
+                t = permute(t, c.num_key_value_heads)
+        w.add_tensor(out, t.astype(np.float16) if t.ndim == 2 else t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_tokenizer(folder, vocab_size):
+    """A word-level vocabulary `t0` ... `t{n-1}` (whitespace-separated), so the cluster can
+    be driven with token ids and its text read back as ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+
+
+def main(out_dir):
+    for seed, (name, (model_type, extra)) in enumerate(sorted(CASES.items())):
+        config = AutoConfig.for_model(model_type, **{**SMALL, **extra})
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        randomise(model, 1000 + seed)
+        ids = torch.tensor([PROMPT])
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                max_new_tokens=GREEDY,
+                min_new_tokens=GREEDY,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            tokens = out[0].tolist()
+            logits = model(out).logits[0].float()
+        folder = os.path.join(out_dir, name)
+        os.makedirs(folder, exist_ok=True)
+        model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+        write_tokenizer(folder, config.vocab_size)
+        if name in GGUF_ARCH:
+            write_gguf(os.path.join(folder, "model.gguf"), GGUF_ARCH[name], config, model)
+        for extra_file in ["generation_config.json"]:
+            path = os.path.join(folder, extra_file)
+            if os.path.exists(path):
+                os.remove(path)
+        reference = {
+            "transformers": __import__("transformers").__version__,
+            "torch": torch.__version__,
+            "prompt": PROMPT,
+            "greedy": tokens[len(PROMPT) :],
+            "logits": [[round(v, 5) for v in row] for row in logits.tolist()],
+        }
+        with open(os.path.join(folder, "reference.json"), "w") as f:
+            json.dump(reference, f, separators=(",", ":"))
+        spread = (logits.max(-1).values - logits.topk(2, -1).values[:, 1]).min().item()
+        print(f"{name}: greedy {reference['greedy'][:8]}..., smallest top-2 gap {spread:.4f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "engine/tests/data/families")
