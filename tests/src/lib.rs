@@ -97,6 +97,16 @@ pub struct Options {
     /// Write each process's stderr (its log) to a file in a temporary folder instead of the
     /// test's stderr (see `Cluster::log`).
     pub capture_logs: bool,
+    /// The checkpoint every process serves (a GGUF file or a Hugging Face folder); unset: the
+    /// real model (`model_path`).
+    pub model: Option<PathBuf>,
+}
+
+impl Options {
+    fn model(&self) -> String {
+        let path = self.model.clone().unwrap_or_else(model_path);
+        path.to_str().expect("utf-8 path").to_string()
+    }
 }
 
 /// Starts `name` with `args` and waits for the stdout line starting with `prefix`; returns
@@ -148,10 +158,9 @@ pub fn spawn_command(mut command: Command, name: &str, prefix: &str, log: Option
 
 /// A decode worker listening on `listen`: the process, its gRPC and its metrics address.
 fn spawn_decode(listen: &str, options: &Options, log: Option<PathBuf>) -> (Proc, String, String) {
-    let model = model_path();
-    let model = model.to_str().expect("utf-8 path");
+    let model = options.model();
     let mut args =
-        strings(&["--listen", listen, "--metrics-listen", "127.0.0.1:0", "--model", model, "--kv-blocks", "1024"]);
+        strings(&["--listen", listen, "--metrics-listen", "127.0.0.1:0", "--model", &model, "--kv-blocks", "1024"]);
     args.extend(options.decode_args.iter().cloned());
     let (proc, lines) = spawn("pd-decode", &args, "pd-decode listening on", options, log);
     let addr = lines.last().cloned().unwrap_or_default();
@@ -160,9 +169,8 @@ fn spawn_decode(listen: &str, options: &Options, log: Option<PathBuf>) -> (Proc,
 }
 
 fn spawn_prefill(listen: &str, options: &Options, log: Option<PathBuf>) -> (Proc, String, String) {
-    let model = model_path();
-    let model = model.to_str().expect("utf-8 path");
-    let mut args = strings(&["--listen", listen, "--metrics-listen", "127.0.0.1:0", "--model", model]);
+    let model = options.model();
+    let mut args = strings(&["--listen", listen, "--metrics-listen", "127.0.0.1:0", "--model", &model]);
     args.extend(options.prefill_args.iter().cloned());
     let (proc, lines) = spawn("pd-prefill", &args, "pd-prefill listening on", options, log);
     let addr = lines.last().cloned().unwrap_or_default();
@@ -186,9 +194,8 @@ fn spawn_router(
     options: &Options,
     log: Option<PathBuf>,
 ) -> (Proc, String, String) {
-    let model = model_path();
-    let model = model.to_str().expect("utf-8 path");
-    let mut args = strings(&["--http-listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--model", model]);
+    let model = options.model();
+    let mut args = strings(&["--http-listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--model", &model]);
     if !prefill.is_empty() {
         args.extend(["--prefill".to_string(), prefill.join(",")]);
     }
