@@ -21,3 +21,7 @@ cargo clippy --release --workspace --all-targets --features "$features" -- -D wa
 # The end-to-end tests start the real binaries: build them first (same profile, reused).
 cargo build --release --workspace --bins --features "$features"
 cargo test --release --workspace --features "$features" "$@"
+# The suites that move KV between real processes, once more with every decode worker taking
+# KV over UCX (`--kv-transport ucx`; the tests that choose a transport keep theirs).
+PD_TEST_KV_TRANSPORT=ucx cargo test --release --workspace --features "$features" \
+    --test cluster --test faults --test restarts --test answers --test families "$@"

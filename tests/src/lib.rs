@@ -23,6 +23,15 @@ pub mod certs;
 pub mod netns;
 pub mod proxy;
 
+/// The KV transport of every decode worker a test starts without choosing one:
+/// `PD_TEST_KV_TRANSPORT` (`grpc` or `ucx`; scripts/test.sh runs the cluster, faults and
+/// restart suites once more with `ucx`); unset: the workers' default (gRPC).
+pub fn default_kv_transport() -> Option<String> {
+    let transport = std::env::var("PD_TEST_KV_TRANSPORT").ok().filter(|t| !t.is_empty())?;
+    assert!(matches!(transport.as_str(), "grpc" | "ucx"), "PD_TEST_KV_TRANSPORT={transport}: not grpc or ucx");
+    Some(transport)
+}
+
 /// The path of pd binary `name` in the test's target directory.
 pub fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
@@ -162,6 +171,11 @@ fn spawn_decode(listen: &str, options: &Options, log: Option<PathBuf>) -> (Proc,
     let mut args =
         strings(&["--listen", listen, "--metrics-listen", "127.0.0.1:0", "--model", &model, "--kv-blocks", "1024"]);
     args.extend(options.decode_args.iter().cloned());
+    if let Some(transport) = default_kv_transport() {
+        if !args.iter().any(|a| a == "--kv-transport") {
+            args.extend(["--kv-transport".to_string(), transport]);
+        }
+    }
     let (proc, lines) = spawn("pd-decode", &args, "pd-decode listening on", options, log);
     let addr = lines.last().cloned().unwrap_or_default();
     let metrics = printed(&lines, "pd-decode metrics on");
