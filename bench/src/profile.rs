@@ -115,6 +115,7 @@ async fn one(
         lease_ms: 120_000,
         prefill_here: false,
         n: 1,
+        output_offset: 0,
     };
     let mut stream = decode.generate(request).await?.into_inner();
     let target = match stream.message().await?.and_then(|e| e.event) {
@@ -126,6 +127,7 @@ async fn one(
         prompt_tokens: prompt,
         target: Some(target),
         sampling: Some(sampling),
+        output_offset: 0,
     };
     let prefill = prefill.prefill(request).await?.into_inner();
     let mut token_nanos = Vec::new();

@@ -119,7 +119,7 @@ impl DecodeService {
                 "prompt_tokens[{i}] ({id}) is outside the vocabulary of {vocab}"
             )));
         }
-        let params = sampling_from_pb(req.sampling.as_ref())?;
+        let params = sampling_from_pb(req.sampling.as_ref(), req.output_offset)?;
         let n = req.n.max(1) as usize;
         if n > self.batcher.max_batch() {
             let m = format!("n ({n}) exceeds this worker's batch of {} sequences", self.batcher.max_batch());

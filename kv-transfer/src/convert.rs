@@ -29,7 +29,10 @@ impl InvalidField {
 /// The engine's sampling parameters of a request. `sampling` and its `seed` are required (the
 /// router draws one when the client gave none); on the wire 0 means "off" for `top_k`, `top_p`
 /// and `repetition_penalty` and greedy for `temperature`; `max_tokens` must be >= 1.
-pub fn sampling_from_pb(sampling: Option<&pb::SamplingParams>) -> Result<SamplingParams, InvalidField> {
+pub fn sampling_from_pb(
+    sampling: Option<&pb::SamplingParams>,
+    output_offset: u32,
+) -> Result<SamplingParams, InvalidField> {
     let s = sampling.ok_or_else(|| InvalidField::new("sampling", "is required"))?;
     let seed = s.seed.ok_or_else(|| InvalidField::new("sampling.seed", "is required between workers"))?;
     let mut logit_bias: Vec<(u32, f32)> = s.logit_bias.iter().map(|(&id, &b)| (id, b)).collect();
@@ -43,7 +46,7 @@ pub fn sampling_from_pb(sampling: Option<&pb::SamplingParams>) -> Result<Samplin
         stop_token_ids: s.stop_token_ids.clone(),
         stop_strings: s.stop.clone(),
         ignore_eos: s.ignore_eos,
-        output_offset: s.output_offset as usize,
+        output_offset: output_offset as usize,
         repetition_penalty: if s.repetition_penalty == 0.0 { 1.0 } else { s.repetition_penalty },
         frequency_penalty: s.frequency_penalty,
         presence_penalty: s.presence_penalty,
@@ -67,7 +70,6 @@ pub fn sampling_to_pb(params: &SamplingParams) -> pb::SamplingParams {
         stop_token_ids: params.stop_token_ids.clone(),
         stop: params.stop_strings.clone(),
         ignore_eos: params.ignore_eos,
-        output_offset: params.output_offset as u32,
         repetition_penalty: params.repetition_penalty,
         frequency_penalty: params.frequency_penalty,
         presence_penalty: params.presence_penalty,
@@ -278,7 +280,8 @@ mod tests {
             logprobs: Some(5),
             constraint: Some(OutputConstraint::Regex("[a-z]+".into())),
         };
-        let back = sampling_from_pb(Some(&sampling_to_pb(&params))).expect("valid");
+        let back = sampling_from_pb(Some(&sampling_to_pb(&params)), 3).expect("valid");
+        assert_eq!(back.output_offset, 3, "the offset travels beside the sampling parameters");
         assert_eq!(back.top_k, Some(40));
         assert_eq!(
             (back.seed, back.logit_bias.clone(), back.logprobs, back.min_tokens),
@@ -288,19 +291,19 @@ mod tests {
         assert_eq!((back.repetition_penalty, back.frequency_penalty, back.presence_penalty), (1.25, 0.5, -0.5));
         assert_eq!(back.stop_strings, params.stop_strings);
         assert!((back.top_p.expect("top_p") - 0.9).abs() < 1e-6);
-        let greedy = sampling_from_pb(Some(&sampling_to_pb(&SamplingParams::greedy(4)))).expect("greedy");
+        let greedy = sampling_from_pb(Some(&sampling_to_pb(&SamplingParams::greedy(4))), 0).expect("greedy");
         assert_eq!(greedy, SamplingParams::greedy(4));
     }
 
     #[test]
     fn bad_sampling_names_the_field() {
-        assert_eq!(sampling_from_pb(None).expect_err("missing").field, "sampling");
+        assert_eq!(sampling_from_pb(None, 0).expect_err("missing").field, "sampling");
         let unseeded = pb::SamplingParams { max_tokens: 4, ..Default::default() };
-        assert_eq!(sampling_from_pb(Some(&unseeded)).expect_err("no seed").field, "sampling.seed");
+        assert_eq!(sampling_from_pb(Some(&unseeded), 0).expect_err("no seed").field, "sampling.seed");
         let zero = pb::SamplingParams { max_tokens: 0, seed: Some(1), ..Default::default() };
-        assert!(sampling_from_pb(Some(&zero)).expect_err("zero").message.contains("max_tokens"));
+        assert!(sampling_from_pb(Some(&zero), 0).expect_err("zero").message.contains("max_tokens"));
         let negative = pb::SamplingParams { max_tokens: 1, temperature: -1.0, seed: Some(1), ..Default::default() };
-        assert!(sampling_from_pb(Some(&negative)).expect_err("negative").message.contains("temperature"));
+        assert!(sampling_from_pb(Some(&negative), 0).expect_err("negative").message.contains("temperature"));
     }
 
     #[test]

@@ -167,12 +167,12 @@ proptest! {
     #[test]
     fn arbitrary_bytes_as_worker_requests_are_refused_cleanly(bytes in prop::collection::vec(any::<u8>(), 0..128)) {
         if let Ok(req) = pb::DecodeRequest::decode(bytes.as_slice()) {
-            if let Ok(p) = sampling_from_pb(req.sampling.as_ref()) {
+            if let Ok(p) = sampling_from_pb(req.sampling.as_ref(), req.output_offset) {
                 prop_assert!(p.validate().is_ok() && p.max_tokens >= 1);
             }
         }
         if let Ok(req) = pb::PrefillRequest::decode(bytes.as_slice()) {
-            let _ = sampling_from_pb(req.sampling.as_ref());
+            let _ = sampling_from_pb(req.sampling.as_ref(), req.output_offset);
             if let Some(t) = req.target.as_ref() {
                 if let Ok(target) = Target::from_pb(t) {
                     prop_assert!(!target.transfer_id.is_empty() && !target.kv_endpoint.is_empty());

@@ -38,7 +38,7 @@ pub fn check(engine: &Engine, req: pb::ScoreRequest) -> Result<ScoreJob, Prefill
     if top > MAX_TOP_LOGPROBS {
         return Err(PrefillError::Invalid(format!("top_logprobs ({top}) is above {MAX_TOP_LOGPROBS}")));
     }
-    let sampling = sampling_from_pb(req.sampling.as_ref())?;
+    let sampling = sampling_from_pb(req.sampling.as_ref(), 0)?;
     Ok(ScoreJob { prompt: req.prompt_tokens, top, sampling })
 }
 

@@ -121,7 +121,7 @@ impl PrefillService {
         }
         let target = req.target.as_ref().ok_or_else(|| PrefillError::Invalid("target is required".into()))?;
         let target = Target::from_pb(target).map_err(|e| PrefillError::Invalid(e.to_string()))?;
-        let sampling = sampling_from_pb(req.sampling.as_ref())?;
+        let sampling = sampling_from_pb(req.sampling.as_ref(), req.output_offset)?;
         let ours = geometry_of(&self.engine, target.geometry.dtype);
         target.geometry.check_matches(&ours).map_err(PrefillError::Incompatible)?;
         let max = self.engine.model().config().max_position;

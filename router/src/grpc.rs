@@ -15,7 +15,6 @@ use crate::api::request::{FunctionCallIn, FunctionSpec, Message, ToolCallIn, Too
 use crate::classes::CLASS_HEADER;
 use crate::error::RouterError;
 use crate::http::AppState;
-use crate::lifecycle;
 use crate::record::{client_request_id, Arrival};
 use crate::relay::Update;
 use crate::tools::Tools;
@@ -87,6 +86,7 @@ pub fn params_from_pb(mut req: pb::GenerateRequest) -> Result<GenerateParams, Ro
     let tools = tools_from_pb(&mut req)?;
     let (kind, input) = match (req.prompt.is_empty(), req.messages.is_empty()) {
         (false, true) if tools.is_some() => return Err(RouterError::invalid("tools", "`tools` need `messages`")),
+        (true, false) if req.echo => return Err(RouterError::invalid("echo", "`echo` needs a `prompt`")),
         (false, true) => (Kind::Completion, Input::Prompt(req.prompt)),
         (true, false) => {
             let messages = req.messages.into_iter().enumerate().map(|(i, m)| message_from_pb(i, m));
@@ -95,9 +95,6 @@ pub fn params_from_pb(mut req: pb::GenerateRequest) -> Result<GenerateParams, Ro
         _ => return Err(RouterError::invalid("prompt", "set exactly one of `prompt` and `messages`")),
     };
     let s = req.sampling.unwrap_or_default();
-    if s.output_offset != 0 {
-        return Err(RouterError::invalid("sampling.output_offset", "`output_offset` is set by the router only"));
-    }
     let logits = LogitParams {
         frequency_penalty: Some(s.frequency_penalty as f64).filter(|&v| v != 0.0),
         presence_penalty: Some(s.presence_penalty as f64).filter(|&v| v != 0.0),
@@ -124,13 +121,15 @@ pub fn params_from_pb(mut req: pb::GenerateRequest) -> Result<GenerateParams, Ro
         stop: s.stop,
         stop_token_ids: s.stop_token_ids,
         ignore_eos: s.ignore_eos,
-        stream: true,
+        // gRPC answers are message streams either way; `stream` is the HTTP choice of SSE over
+        // one whole answer (which `echo` with nothing generated requires).
+        stream: false,
         include_usage: true,
         logits,
         user: None,
         tools,
         n: Some(req.n as u64).filter(|&n| n > 0),
-        echo: false,
+        echo: req.echo,
     })
 }
 
@@ -145,13 +144,17 @@ struct Responses {
     texts: Vec<String>,
     first_finish: String,
     first_calls: Vec<pb::ToolCall>,
+    /// With `echo`: per answer, how many of its next tokens are the echoed prompt's.
+    prompt_left: Vec<usize>,
 }
 
 impl Responses {
     fn new(request_id: String, side: Arc<TextSide>, req: &crate::validate::ValidRequest) -> Self {
         let texts = vec![String::new(); if req.tools.is_some() { req.n } else { 0 }];
         let (first_finish, first_calls) = (String::new(), Vec::new());
-        Responses { request_id, side, n: req.n, tools: req.tools.clone(), texts, first_finish, first_calls }
+        let prompt_left = vec![req.prompt_tokens.len(); if req.echo { req.n } else { 0 }];
+        let tools = req.tools.clone();
+        Responses { request_id, side, n: req.n, tools, texts, first_finish, first_calls, prompt_left }
     }
 
     /// Answer `index`'s calls (and "tool_calls" as its finish reason when it made any).
@@ -173,11 +176,19 @@ impl Responses {
                 if let Some(t) = self.texts.get_mut(index as usize) {
                     t.push_str(&text);
                 }
+                let prompt = match self.prompt_left.get_mut(index as usize) {
+                    Some(left) if *left > 0 => {
+                        *left -= 1;
+                        true
+                    }
+                    _ => false,
+                };
                 Message::Token(pb::GeneratedToken {
                     token_id,
                     text,
                     logprobs: logprobs.map(|l| with_texts(&self.side.tokenizer, token_id, l)),
                     index,
+                    prompt,
                 })
             }
             Ok(Update::Finished { index, mut finish_reason, completion_tokens }) => {
@@ -228,9 +239,15 @@ impl Generation for GenerationService {
         };
         let (valid, class, record) =
             self.state.accept(arrival, caller, params, id.clone()).await.map_err(|e| e.to_status())?;
-        let updates = lifecycle::start(self.state.scheduler.clone(), self.state.text.clone(), &valid, class, record)
-            .await
-            .map_err(|e| e.to_status())?;
+        let updates = if valid.echo && crate::score::scored_alone(&valid) {
+            let mut record = record;
+            let updates = crate::score::echo_updates(&self.state.scheduler, &self.state.text, &valid, &mut record)
+                .await
+                .map_err(|e| e.to_status())?;
+            futures_util::stream::iter(updates.into_iter().map(Ok)).boxed()
+        } else {
+            crate::http::start(&self.state, &valid, class, record).await.map_err(|e| e.to_status())?
+        };
         let mut responses = Responses::new(id, self.state.text.clone(), &valid);
         Ok(Response::new(Box::pin(updates.filter_map(move |u| std::future::ready(responses.next(u))))))
     }

@@ -226,7 +226,7 @@ async fn handle(state: Arc<AppState>, kind: Kind, headers: HeaderMap, body: Body
 
 /// The updates of an accepted request: those of its generation, after its prompt's when it
 /// echoes it (`score::prompt_updates`).
-async fn start(
+pub(crate) async fn start(
     state: &AppState,
     req: &ValidRequest,
     class: Arc<Class>,

@@ -77,6 +77,7 @@ async fn open_decode(
         lease_ms: 0,
         prefill_here,
         n: req.n as u32,
+        output_offset: req.params.output_offset as u32,
     };
     let call = route.decode.client.generate(traced(request, record.span().context(), record.class()));
     let mut events = match call.await {
@@ -115,6 +116,7 @@ fn prefill_call(
             prompt_tokens: req.prompt_tokens.clone(),
             target: Some(target),
             sampling: Some(sampling_to_pb(&req.params)),
+            output_offset: req.params.output_offset as u32,
         },
         deadline: Instant::now() + lease_left,
         cx: record.span().context().clone(),

@@ -70,13 +70,51 @@ async fn scored(
     Err(last)
 }
 
-/// Answers an echo request (see the module docs); the record is finished either way.
+/// Answers an echo request served by a prefill worker alone (see the module docs) as one
+/// whole answer; the record is finished either way.
 pub async fn echo(
     scheduler: &Scheduler,
     side: &TextSide,
     req: &ValidRequest,
     record: &mut RequestRecord,
 ) -> Result<Echoed, RouterError> {
+    let tokenizer = &side.tokenizer;
+    let mut logprobs = req.params.logprobs.map(|_| Logprobs::new(req.kind));
+    let (mut text, mut finish_reason, mut completion_tokens) = (String::new(), "length".to_string(), 0);
+    for (i, update) in echo_updates(scheduler, side, req, record).await?.into_iter().enumerate() {
+        match update {
+            Update::Token { token_id, text: piece, logprobs: scores, .. } => {
+                if let Some(all) = &mut logprobs {
+                    // A prompt token is shown as its own bytes, a generated one as its text.
+                    let shown = match i < req.prompt_tokens.len() {
+                        true => String::from_utf8_lossy(&tokenizer.token_bytes(token_id)).into_owned(),
+                        false => piece.clone(),
+                    };
+                    match &scores {
+                        None => all.push_unscored(tokenizer, token_id),
+                        Some(l) => all.push(tokenizer, token_id, &shown, l),
+                    }
+                }
+                text.push_str(&piece);
+            }
+            Update::Finished { finish_reason: f, completion_tokens: c, .. } => {
+                (finish_reason, completion_tokens) = (f, c)
+            }
+            Update::Done { .. } => {}
+        }
+    }
+    Ok(Echoed { text, logprobs, finish_reason, completion_tokens })
+}
+
+/// The updates of an echo request served by a prefill worker alone: the prompt's tokens (with
+/// their scores when asked; the first has none), the prefill worker's first token when one is
+/// asked for, the answer's end and the request's. The record is finished either way.
+pub async fn echo_updates(
+    scheduler: &Scheduler,
+    side: &TextSide,
+    req: &ValidRequest,
+    record: &mut RequestRecord,
+) -> Result<Vec<Update>, RouterError> {
     let answer = match scored(scheduler, req, record).await {
         Ok(a) => a,
         Err(e) => {
@@ -91,35 +129,39 @@ pub async fn echo(
         cached_tokens: 0,
     });
     let tokenizer = &side.tokenizer;
-    let mut logprobs = req.params.logprobs.map(|_| Logprobs::new(req.kind));
-    if let Some(all) = &mut logprobs {
-        // The first prompt token has nothing before it; the i-th score is token i + 1's.
-        let mut scored = answer.prompt_logprobs.iter();
-        for (i, &token) in req.prompt_tokens.iter().enumerate() {
-            match if i == 0 { None } else { scored.next() } {
-                None => all.push_unscored(tokenizer, token),
-                Some(l) => all.push(tokenizer, token, &String::from_utf8_lossy(&tokenizer.token_bytes(token)), l),
-            }
-        }
-    }
-    let mut text =
-        tokenizer.decode(&req.prompt_tokens, false).map_err(|e| RouterError::Unprocessable(e.to_string()))?;
+    let texts = token_texts(tokenizer, &req.prompt_tokens).map_err(|e| {
+        let e = RouterError::Unprocessable(e.to_string());
+        record.fail(&e);
+        e
+    })?;
+    let asked = req.params.logprobs.is_some();
+    // The first prompt token has nothing before it; the i-th score is token i + 1's.
+    let mut scores = answer.prompt_logprobs.into_iter();
+    let mut updates: Vec<Update> = (req.prompt_tokens.iter().zip(texts).enumerate())
+        .map(|(i, (&token_id, text))| {
+            let logprobs = if i == 0 || !asked { None } else { scores.next() };
+            Update::Token { index: 0, token_id, text, logprobs }
+        })
+        .collect();
     let (mut finish_reason, mut completion_tokens) = ("length".to_string(), 0);
     if req.params.max_tokens >= 1 {
         let mut tracker = OutputTracker::new(req.params.clone(), tokenizer);
-        let out = tracker
-            .push(answer.first_token, tokenizer)
-            .map_err(|e| RouterError::Worker { stage: "prefill", message: e.to_string() })?;
-        if let (Some(all), Some(l)) = (&mut logprobs, &answer.first_logprobs) {
-            all.push(tokenizer, answer.first_token, &out.text_delta, l);
-        }
+        let out = tracker.push(answer.first_token, tokenizer).map_err(|e| {
+            let e = RouterError::Worker { stage: "prefill", message: e.to_string() };
+            record.fail(&e);
+            e
+        })?;
         record.token(&out.text_delta);
-        text.push_str(&out.text_delta);
+        let logprobs = answer.first_logprobs.filter(|_| asked);
+        updates.push(Update::Token { index: 0, token_id: answer.first_token, text: out.text_delta, logprobs });
         completion_tokens = 1;
         finish_reason = out.finish.map_or("length", |f| f.as_str()).to_string();
     }
     record.finish(&finish_reason);
-    Ok(Echoed { text, logprobs, finish_reason, completion_tokens })
+    updates.push(Update::Finished { index: 0, finish_reason, completion_tokens });
+    let prompt_tokens = req.prompt_tokens.len() as u32;
+    updates.push(Update::Done { prompt_tokens, completion_tokens, cached_tokens: 0 });
+    Ok(updates)
 }
 
 /// Whether an echo request is answered by the prefill worker alone (`echo`).

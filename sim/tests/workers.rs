@@ -40,6 +40,7 @@ fn request(id: &str, prompt: usize, max_tokens: u32, lease_ms: u32) -> pb::Decod
         lease_ms,
         prefill_here: false,
         n: 1,
+        output_offset: 0,
     }
 }
 
@@ -63,6 +64,7 @@ async fn reserve_and_prefill(
         prompt_tokens: req.prompt_tokens,
         target: Some(target),
         sampling: req.sampling,
+        output_offset: 0,
     };
     (stream, prefill.prefill(p).await.expect("prefill").into_inner())
 }
@@ -141,6 +143,7 @@ async fn a_lost_worker_ends_its_streams_unfinished_and_refuses_everything() {
         prompt_tokens: vec![7; 20],
         target: Some(target),
         sampling: None,
+        output_offset: 0,
     };
     prefill.prefill(p).await.expect("prefill");
     assert!(stream.message().await.expect("first token").is_some());

@@ -186,8 +186,61 @@ async fn echo_scores_the_prompt_on_a_prefill_worker_alone() {
     let bad = json!({ "prompt": [1, 999_999], "echo": true, "logprobs": 1, "max_tokens": 0 });
     let r = reqwest::Client::new().post(cluster.url("/v1/completions")).json(&bad).send().await.expect("request");
     assert_eq!(r.status().as_u16(), 400);
+    grpc_echo(&cluster, prompt_tokens, logprobs).await;
     agrees_with_llamacpp(&cluster).await;
     cluster.wait_kv_free(Duration::from_secs(5)).await;
+}
+
+/// `echo` over gRPC: the prompt's tokens marked `prompt`, scored as over HTTP; with nothing
+/// generated (`max_tokens` unset) no decode worker is involved; with `max_tokens` 4 the
+/// greedy generation follows, as without `echo`.
+async fn grpc_echo(cluster: &Cluster, prompt_tokens: usize, http_logprobs: &[Value]) {
+    let client =
+        pb::generation_client::GenerationClient::connect(format!("http://{}", cluster.grpc)).await.expect("grpc");
+    let ask = |max_tokens: u32| {
+        let sampling = pb::SamplingParams { max_tokens, logprobs: true, top_logprobs: 2, ..Default::default() };
+        let request =
+            pb::GenerateRequest { prompt: QUESTION.into(), echo: true, sampling: Some(sampling), ..Default::default() };
+        let mut client = client.clone();
+        async move {
+            let mut stream = client.generate(request).await.expect("generate").into_inner();
+            let (mut tokens, mut done) = (Vec::new(), None);
+            while let Some(m) = stream.message().await.expect("message") {
+                match m.message {
+                    Some(pb::generate_response::Message::Token(t)) => tokens.push(t),
+                    Some(pb::generate_response::Message::Done(d)) => done = Some(d),
+                    _ => {}
+                }
+            }
+            (tokens, done.expect("done"))
+        }
+    };
+    let decode_before = Cluster::scrape(&cluster.decode_metrics).await;
+    let (scored, done) = ask(0).await;
+    assert_eq!((scored.len(), done.prompt_tokens as usize, done.completion_tokens), (prompt_tokens, prompt_tokens, 0));
+    assert!(scored.iter().all(|t| t.prompt), "every token is the prompt's");
+    assert!(scored[0].logprobs.is_none(), "the first prompt token has nothing before it");
+    for (i, t) in scored.iter().enumerate().skip(1) {
+        let l = t.logprobs.as_ref().expect("scored");
+        let http = http_logprobs[i].as_f64().expect("http logprob") as f32;
+        assert!((l.logprob - http).abs() < 1e-4, "position {i}: gRPC {} vs HTTP {http}", l.logprob);
+        assert_eq!(l.top.len(), 2, "two alternatives");
+    }
+    let text: String = scored.iter().map(|t| t.text.as_str()).collect();
+    assert_eq!(text, QUESTION);
+    let decode_after = Cluster::scrape(&cluster.decode_metrics).await;
+    let name = "pd_kv_transfer_bytes_total";
+    assert_eq!(sample(&decode_after, name), sample(&decode_before, name), "scored alone: no transfer");
+
+    let (echoed, done) = ask(4).await;
+    assert_eq!((echoed.len(), done.completion_tokens), (prompt_tokens + 4, 4));
+    let generated: Vec<u32> = echoed.iter().filter(|t| !t.prompt).map(|t| t.token_id).collect();
+    assert!(echoed[..prompt_tokens].iter().all(|t| t.prompt) && generated.len() == 4);
+    let engine = Engine::load(&model_path(), LoadOptions::default(), CacheConfig::with_blocks(256)).expect("engine");
+    let tokens = engine.tokenizer().encode(QUESTION).expect("encode");
+    let greedy = engine.generate(&tokens, &SamplingParams::greedy(4), 512, |_| {}).expect("generate").tokens;
+    assert_eq!(generated, greedy, "the generation after the echoed prompt is the greedy one");
+    assert!(echoed[prompt_tokens].logprobs.is_some(), "generated tokens carry logprobs too");
 }
 
 /// pd's log probabilities along llama.cpp's own greedy path, scored with `echo`

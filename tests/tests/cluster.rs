@@ -405,7 +405,8 @@ async fn a_bad_token_on_the_internal_api_fails_only_its_own_request() {
         pb::prefill_worker_client::PrefillWorkerClient::connect(format!("http://{}", cluster.prefill_addrs[0]))
             .await
             .expect("prefill worker");
-    let bad = pb::PrefillRequest { request_id: "bad".into(), prompt_tokens: vec![999_999], sampling, target: None };
+    let bad =
+        pb::PrefillRequest { request_id: "bad".into(), prompt_tokens: vec![999_999], sampling, ..Default::default() };
     let status = prefill.prefill(bad).await.expect_err("refused");
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
     assert!(status.message().contains("outside the vocabulary"), "{status:?}");
