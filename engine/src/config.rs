@@ -150,8 +150,9 @@ pub enum WeightFormat {
     /// The default. Weight-only quantized: Q4_1 and Q8_0 tensors keep the file's own values
     /// (repacked losslessly: Q4_1 as nibbles with f32 scale and minimum, 0.75 bytes per
     /// weight; Q8_0 as bytes with an f32 scale) and are widened to f32 in registers;
-    /// activations stay f32 (`matmul_wq`). Tensors in other formats fall back to F16. CPU
-    /// only; on other devices it falls back to F32.
+    /// activations stay f32 (`matmul_wq`). Other block-quantized tensors (Q4_0, Q4_K, Q6_K,
+    /// ...) keep their blocks and candle's kernels (as `Stored`: 8-bit activations); float
+    /// tensors (f32, f16, bf16) become F16. CPU only; on other devices it falls back to F32.
     Wq,
 }
 

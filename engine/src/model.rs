@@ -160,14 +160,32 @@ impl Model {
             let name = |part: &str| format!("blk.{i}.{part}.weight");
             let mut req = |part: &str, shape: &[usize]| required(source, &name(part), shape);
             let attn_norm = dense_vector(req("attn_norm", &[hidden])?, device)?;
-            let q = req("attn_q", &[q_width, hidden])?;
-            let k = req("attn_k", &[kv_width, hidden])?;
-            let v = req("attn_v", &[kv_width, hidden])?;
+            // Phi-3 stores Q/K/V as one matrix, and gate/up as one (llama.cpp: as `ffn_up`
+            // of twice the width); the fused matmuls take them as they are.
+            let qkv = match source.contains(&name("attn_qkv")) {
+                true => vec![required(source, &name("attn_qkv"), &[q_width + 2 * kv_width, hidden])?],
+                false => {
+                    let mut req = |part: &str, shape: &[usize]| required(source, &name(part), shape);
+                    vec![
+                        req("attn_q", &[q_width, hidden])?,
+                        req("attn_k", &[kv_width, hidden])?,
+                        req("attn_v", &[kv_width, hidden])?,
+                    ]
+                }
+            };
+            let mut req = |part: &str, shape: &[usize]| required(source, &name(part), shape);
             let out = req("attn_output", &[hidden, q_width])?;
             let ffn_norm = dense_vector(req("ffn_norm", &[hidden])?, device)?;
-            let gate = req("ffn_gate", &[c.intermediate_size, hidden])?;
-            let up = req("ffn_up", &[c.intermediate_size, hidden])?;
-            let down = req("ffn_down", &[hidden, c.intermediate_size])?;
+            let ffn = c.intermediate_size;
+            let gate_up = if source.contains(&name("ffn_gate_up")) {
+                vec![required(source, &name("ffn_gate_up"), &[2 * ffn, hidden])?]
+            } else if !source.contains(&name("ffn_gate")) && source.contains(&name("ffn_up")) {
+                vec![required(source, &name("ffn_up"), &[2 * ffn, hidden])?]
+            } else {
+                let mut req = |part: &str, shape: &[usize]| required(source, &name(part), shape);
+                vec![req("ffn_gate", &[ffn, hidden])?, req("ffn_up", &[ffn, hidden])?]
+            };
+            let down = required(source, &name("ffn_down"), &[hidden, ffn])?;
             let qkv_bias = if c.qkv_bias {
                 let parts = [("attn_q", q_width), ("attn_k", kv_width), ("attn_v", kv_width)];
                 let parts = parts.iter().map(|&(part, width)| {
@@ -191,12 +209,12 @@ impl Model {
             }
             layers.push(Layer {
                 attn_norm,
-                qkv: linear(vec![q, k, v], format, device)?,
+                qkv: linear(qkv, format, device)?,
                 qkv_bias,
                 qk_norm,
                 out: linear(vec![out], format, device)?,
                 ffn_norm,
-                gate_up: linear(vec![gate, up], format, device)?,
+                gate_up: linear(gate_up, format, device)?,
                 down: linear(vec![down], format, device)?,
             });
         }
@@ -417,6 +435,11 @@ fn dense_vector(t: RawTensor, device: &Device) -> Result<Tensor> {
     Ok(t.dequantize()?.to_device(device)?)
 }
 
+/// A block-quantized type (not a plain float format stored as such).
+fn is_block_quantized(dtype: GgmlDType) -> bool {
+    !matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+}
+
 /// Candle's Q8_0 block width: quantizing needs the input width to be a multiple of it.
 const Q8_0_BLOCK: usize = 32;
 
@@ -429,10 +452,16 @@ fn linear(parts: Vec<RawTensor>, format: WeightFormat, device: &Device) -> Resul
         }
         _ => None,
     };
-    let keep_stored = matches!(
-        (format, all_quant_dtype),
-        (WeightFormat::Stored, Some(_)) | (WeightFormat::Q8, Some(GgmlDType::Q8_0))
-    );
+    // Under `wq` on CPU, block-quantized types without a repacking kernel (Q4_0, Q4_K, Q6_K,
+    // ...) keep their stored blocks and candle's kernels rather than being widened to f16
+    // (4x the memory traffic of Q4_K).
+    let wq_stored = matches!((format, device), (WeightFormat::Wq, Device::Cpu))
+        && all_quant_dtype.is_some_and(|d| !crate::matmul_wq::supported(d) && is_block_quantized(d));
+    let keep_stored = wq_stored
+        || matches!(
+            (format, all_quant_dtype),
+            (WeightFormat::Stored, Some(_)) | (WeightFormat::Q8, Some(GgmlDType::Q8_0))
+        );
     let repackable = parts.iter().map(|p| match p {
         RawTensor::Quant(q) if crate::matmul_wq::supported(q.dtype()) => Some(q),
         _ => None,
@@ -469,4 +498,34 @@ fn linear(parts: Vec<RawTensor>, format: WeightFormat, device: &Device) -> Resul
 /// FNV-1a, 64 bit: a stable fingerprint without extra dependencies.
 pub(crate) fn fnv1a64(data: &[u8]) -> u64 {
     data.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| (hash ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A Q4_K or Q6_K matrix under the default `wq` keeps its blocks (candle's kernels)
+    /// instead of being widened to f16, and multiplies as its dequantized values do (up to
+    /// the 8-bit rounding of the activations).
+    #[test]
+    fn k_quants_under_wq_stay_quantized() {
+        let values: Vec<f32> = (0..256 * 256).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 0.2).collect();
+        let dense = Tensor::from_vec(values, (256, 256), &Device::Cpu).expect("tensor");
+        let x = Tensor::from_vec(
+            (0..256 * 3).map(|i| (i % 17) as f32 / 17.0 - 0.5).collect::<Vec<_>>(),
+            (3, 256),
+            &Device::Cpu,
+        )
+        .expect("x");
+        for dtype in [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q4_0] {
+            let q = QTensor::quantize(&dense, dtype).expect("quantize");
+            let reference = x.matmul(&q.dequantize(&Device::Cpu).expect("dequantize").t().expect("t")).expect("matmul");
+            let l = linear(vec![RawTensor::Quant(q)], WeightFormat::Wq, &Device::Cpu).expect("linear");
+            assert!(matches!(l, Linear::Quant(_)), "{dtype:?} kept quantized");
+            let got = l.forward(&x).expect("forward");
+            let diff = (got - &reference).expect("sub").abs().expect("abs").max_all().expect("max");
+            let diff = diff.to_scalar::<f32>().expect("scalar");
+            assert!(diff < 0.05, "{dtype:?}: differs from the dequantized product by {diff}");
+        }
+    }
 }

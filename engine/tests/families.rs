@@ -29,7 +29,7 @@ fn families() -> Vec<PathBuf> {
         .filter(|p| p.join("reference.json").is_file())
         .collect();
     dirs.sort();
-    assert!(dirs.len() >= 8, "expected the eight family fixtures, found {dirs:?}");
+    assert!(dirs.len() >= 9, "expected the nine family fixtures, found {dirs:?}");
     dirs
 }
 
@@ -146,7 +146,7 @@ fn gguf_files_of_the_same_weights_match_transformers() {
         assert_eq!(greedy, reference.greedy, "{name}.gguf: greedy tokens");
         checked.push(name);
     }
-    assert!(checked.len() >= 7, "GGUF fixtures checked: {checked:?}");
+    assert!(checked.len() >= 8, "GGUF fixtures checked: {checked:?}");
 }
 
 /// A copy of fixture `name` with its config.json changed by `edit`, loaded as the engine would.

@@ -69,6 +69,9 @@ CASES = {
     "qwen2": ("qwen2", {"tie_word_embeddings": True, "use_sliding_window": False}),
     # head_dim above hidden / heads, as in Qwen3-0.6B (1024 wide, 16 heads of 128).
     "qwen3": ("qwen3", {"head_dim": 32, "use_sliding_window": False}),
+    # Phi-3 mini's layout (fused qkv_proj and gate_up_proj) with its sliding window above the
+    # positions used (pd caps the context there).
+    "phi3": ("phi3", {"sliding_window": 96, "pad_token_id": 0, "original_max_position_embeddings": 128}),
 }
 
 # GGUF architecture of each case llama.cpp converts (Mistral's files use llama's).
@@ -80,6 +83,7 @@ GGUF_ARCH = {
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "phi3": "phi3",
 }
 
 PROMPT = [1, 17, 99, 5, 64, 23, 88, 41, 7, 120, 33, 56]
@@ -165,6 +169,9 @@ def write_gguf(path, arch, config, model):
         "mlp.gate_proj.weight": "ffn_gate.weight",
         "mlp.up_proj.weight": "ffn_up.weight",
         "mlp.down_proj.weight": "ffn_down.weight",
+        # Phi-3: fused, and llama.cpp names the fused gate/up `ffn_up`.
+        "self_attn.qkv_proj.weight": "attn_qkv.weight",
+        "mlp.gate_up_proj.weight": "ffn_up.weight",
     }
     for name, t in tensors.items():
         if name == "model.embed_tokens.weight":

@@ -70,6 +70,7 @@ impl GgufFile {
             "llama" => (RopeStyle::Interleaved, false, false),
             "qwen2" => (RopeStyle::Halves, true, false),
             "qwen3" => (RopeStyle::Halves, false, true),
+            "phi3" => (RopeStyle::Halves, false, false),
             _ => return Err(EngineError::UnsupportedArchitecture(arch)),
         };
         let value = |key: &str| {
@@ -172,6 +173,10 @@ impl TensorSource for GgufFile {
         })?;
         self.taken.insert(name.to_string());
         Ok(Some(RawTensor::Quant(t)))
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
     }
 
     fn unused(&self) -> Vec<String> {

@@ -1,4 +1,4 @@
-//! Hugging Face model folders (Llama, Mistral, Qwen2, Qwen3): config.json, tokenizer.json,
+//! Hugging Face model folders (Llama, Mistral, Qwen2, Qwen3, Phi-3): config.json, tokenizer.json,
 //! tokenizer_config.json (chat template, optional) and *.safetensors.
 
 use std::collections::HashMap;
@@ -120,6 +120,8 @@ fn hf_name(gguf: &str) -> Option<String> {
         "attn_q.bias" => "self_attn.q_proj.bias",
         "attn_k.bias" => "self_attn.k_proj.bias",
         "attn_v.bias" => "self_attn.v_proj.bias",
+        "attn_qkv.weight" => "self_attn.qkv_proj.weight",
+        "ffn_gate_up.weight" => "mlp.gate_up_proj.weight",
         "attn_q_norm.weight" => "self_attn.q_norm.weight",
         "attn_k_norm.weight" => "self_attn.k_norm.weight",
         "ffn_norm.weight" => "post_attention_layernorm.weight",
@@ -143,6 +145,10 @@ impl TensorSource for HfFolder {
             // Report the name as the folder spells it.
             None => Err(EngineError::MissingTensor(hf)),
         }
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        hf_name(name).is_some_and(|hf| self.tensors.contains_key(&hf))
     }
 
     fn unused(&self) -> Vec<String> {

@@ -17,6 +17,8 @@ pub enum Family {
     Mistral,
     Qwen2,
     Qwen3,
+    /// Phi-3 / Phi-3.5 mini: Llama's math with Q/K/V and gate/up stored fused.
+    Phi3,
 }
 
 impl Family {
@@ -26,6 +28,7 @@ impl Family {
             Some("mistral") => Some(Family::Mistral),
             Some("qwen2") => Some(Family::Qwen2),
             Some("qwen3") => Some(Family::Qwen3),
+            Some("phi3") => Some(Family::Phi3),
             _ => None,
         };
         let by_arch = architectures.iter().find_map(|a| match a.as_str() {
@@ -33,6 +36,7 @@ impl Family {
             "MistralForCausalLM" => Some(Family::Mistral),
             "Qwen2ForCausalLM" => Some(Family::Qwen2),
             "Qwen3ForCausalLM" => Some(Family::Qwen3),
+            "Phi3ForCausalLM" => Some(Family::Phi3),
             _ => None,
         });
         // transformers picks the model class by `model_type` when there is one.
@@ -160,6 +164,10 @@ impl HfConfig {
         let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
         let num = |key: &str| p.get(key).filter(|v| !v.is_null()).and_then(Value::as_f64).map(|v| v as f32);
         let need = |key: &str| num(key).ok_or_else(|| unsupported(&format!("{field}.{key}"), "missing"));
+        if let Some(p) = num("partial_rotary_factor").filter(|&p| p != 1.0) {
+            let field = format!("{field}.partial_rotary_factor");
+            return Err(unsupported(&field, format!("{p} (rotary on part of each head)")));
+        }
         let original =
             || num("original_max_position_embeddings").map(|v| v as usize).unwrap_or(self.max_position_embeddings);
         let scaling = match kind {
@@ -202,10 +210,10 @@ impl HfConfig {
         let family = self.family()?;
         self.refuse_unsupported(family)?;
         let (rope_scaling, rope_theta) = self.rope()?;
-        // Mistral's sliding window equals full attention up to the window: the context is
-        // capped there rather than the window implemented.
+        // Mistral's and Phi-3's sliding window equals full attention up to the window: the
+        // context is capped there rather than the window implemented.
         let window = match family {
-            Family::Mistral => self.value("sliding_window").and_then(Value::as_u64).map(|w| w as usize),
+            Family::Mistral | Family::Phi3 => self.value("sliding_window").and_then(Value::as_u64).map(|w| w as usize),
             _ => None,
         };
         let max_position = window.map_or(self.max_position_embeddings, |w| w.min(self.max_position_embeddings));
@@ -268,6 +276,10 @@ mod tests {
             (serde_json::json!({"final_logit_softcapping": 30.0}), "final_logit_softcapping"),
             (serde_json::json!({"num_local_experts": 8}), "num_local_experts"),
             (serde_json::json!({"partial_rotary_factor": 0.5}), "partial_rotary_factor"),
+            (
+                serde_json::json!({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}}),
+                "rope_parameters.partial_rotary_factor",
+            ),
             (serde_json::json!({"model_type": "qwen2", "use_sliding_window": true}), "use_sliding_window"),
         ];
         for (extra, field) in cases {

@@ -44,6 +44,10 @@ pub trait TensorSource {
     /// The tensor, or `None` when the checkpoint does not have it.
     fn take(&mut self, name: &str) -> Result<Option<RawTensor>>;
 
+    /// Whether the checkpoint has the tensor (for layouts that store some weights fused:
+    /// Phi-3's Q/K/V and gate/up projections).
+    fn contains(&self, name: &str) -> bool;
+
     /// Tensors of the checkpoint no `take` asked for (after loading: the model as configured
     /// does not use them, which means a setting the engine does not read).
     fn unused(&self) -> Vec<String> {

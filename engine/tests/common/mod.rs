@@ -72,6 +72,10 @@ impl TensorSource for MapSource {
     fn take(&mut self, name: &str) -> pd_engine::Result<Option<RawTensor>> {
         Ok(self.0.remove(name).map(RawTensor::Dense))
     }
+
+    fn contains(&self, name: &str) -> bool {
+        self.0.contains_key(name)
+    }
 }
 
 /// Hugging Face name of a GGUF tensor name (test-side copy of the mapping).
