@@ -91,6 +91,15 @@ pub(crate) struct Heads {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// Scores become `softcap * tanh(score / softcap)` before the softmax (Gemma 2); 0: off.
+    pub softcap: f32,
+}
+
+/// Gemma 2's attention logit soft-capping, in place (nothing when `cap` is 0).
+fn softcap_in_place(scores: &mut [f32], cap: f32) {
+    if cap > 0.0 {
+        scores.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
+    }
 }
 
 /// Attention output `[rows, num_heads * head_dim]` for `q` (`[rows, num_heads * head_dim]`,
@@ -132,7 +141,7 @@ pub(crate) fn paged_attention(
 
 /// Prefill-chunk attention: gather this sequence's K/V, then masked matmuls.
 fn gathered_attention(q: &Tensor, cache: &KvCache, layer: usize, plan: &SeqPlan, heads: Heads) -> Result<Tensor> {
-    let Heads { num_heads, num_kv_heads, head_dim } = heads;
+    let Heads { num_heads, num_kv_heads, head_dim, softcap } = heads;
     let group = num_heads / num_kv_heads;
     let n = plan.rows;
     let ctx = plan.start_pos + n;
@@ -149,7 +158,10 @@ fn gathered_attention(q: &Tensor, cache: &KvCache, layer: usize, plan: &SeqPlan,
         head_dim,
     ))?;
     let scale = 1.0 / (head_dim as f64).sqrt();
-    let scores = (q.matmul(&k.t()?)? * scale)?;
+    let mut scores = (q.matmul(&k.t()?)? * scale)?;
+    if softcap > 0.0 {
+        scores = ((scores / softcap as f64)?.tanh()? * softcap as f64)?;
+    }
     let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&inputs.mask)?)?;
     let out = probs.matmul(&v)?; // [kvh, group*n, hd]
     Ok(out.reshape((num_heads, n, head_dim))?.transpose(0, 1)?.contiguous()?.reshape((n, num_heads * head_dim))?)
@@ -272,7 +284,7 @@ unsafe fn decode_groups_avx512<E: Widen, const D: usize, const G: usize>(
     heads: Heads,
 ) -> Vec<f32> {
     use std::arch::x86_64::*;
-    let Heads { num_heads, num_kv_heads, head_dim } = heads;
+    let Heads { num_heads, num_kv_heads, head_dim, softcap } = heads;
     assert!(
         head_dim == 16 * D && num_heads == G * num_kv_heads && q.len() == num_heads * head_dim,
         "decode_groups_avx512: shapes"
@@ -307,8 +319,10 @@ unsafe fn decode_groups_avx512<E: Widen, const D: usize, const G: usize>(
             }
         }
         for i in 0..G {
+            let row = &mut scores[(g * G + i) * ctx..(g * G + i + 1) * ctx];
+            softcap_in_place(row, softcap);
             // SAFETY: AVX-512 F (this function's contract).
-            unsafe { softmax_avx512(&mut scores[(g * G + i) * ctx..(g * G + i + 1) * ctx]) };
+            unsafe { softmax_avx512(row) };
         }
         let mut acc = [[_mm512_setzero_ps(); D]; G];
         for (j, &slot) in slots.iter().enumerate() {
@@ -338,7 +352,7 @@ unsafe fn decode_groups_avx512<E: Widen, const D: usize, const G: usize>(
 /// the AVX-512 loops (head_dim a multiple of 16).
 #[inline(always)]
 fn decode_one<E: Widen>(q: &[f32], k_all: &[E], v_all: &[E], slots: &[u32], heads: Heads, wide: bool) -> Vec<f32> {
-    let Heads { num_heads, num_kv_heads, head_dim } = heads;
+    let Heads { num_heads, num_kv_heads, head_dim, softcap } = heads;
     let group = num_heads / num_kv_heads;
     let kv_width = num_kv_heads * head_dim;
     let ctx = slots.len();
@@ -354,6 +368,7 @@ fn decode_one<E: Widen>(q: &[f32], k_all: &[E], v_all: &[E], slots: &[u32], head
         }
     }
     for head_scores in scores.chunks_exact_mut(ctx) {
+        softcap_in_place(head_scores, softcap);
         softmax_in_place(head_scores);
     }
     let mut out = vec![0f32; num_heads * head_dim];
@@ -604,9 +619,12 @@ mod tests {
     fn decode_kernel_matches_gathered_path() -> Result<()> {
         for dtype in [KvCacheDType::F32, KvCacheDType::F16] {
             for heads in [
-                Heads { num_heads: 4, num_kv_heads: 2, head_dim: 8 },
-                Heads { num_heads: 9, num_kv_heads: 3, head_dim: 64 },
-                Heads { num_heads: 4, num_kv_heads: 2, head_dim: 128 },
+                Heads { num_heads: 4, num_kv_heads: 2, head_dim: 8, softcap: 0.0 },
+                Heads { num_heads: 9, num_kv_heads: 3, head_dim: 64, softcap: 0.0 },
+                Heads { num_heads: 4, num_kv_heads: 2, head_dim: 128, softcap: 0.0 },
+                // Gemma 2's soft-capping, in the portable and the grouped kernels.
+                Heads { num_heads: 4, num_kv_heads: 2, head_dim: 8, softcap: 1.5 },
+                Heads { num_heads: 4, num_kv_heads: 2, head_dim: 128, softcap: 1.5 },
             ] {
                 decode_kernel_matches_gathered_path_with(dtype, heads)?;
             }
@@ -628,8 +646,7 @@ mod tests {
             rms_norm_eps: 1e-5,
             rope_style: RopeStyle::Halves,
             rope_scaling: Default::default(),
-            qkv_bias: false,
-            qk_norm: false,
+            parts: Default::default(),
         };
         let config = CacheConfig { prefix_cache: false, block_size: 4, dtype, ..CacheConfig::with_blocks(8) };
         let cache = KvCache::new(&model, &config, &Device::Cpu)?;

@@ -13,8 +13,8 @@ pub enum RopeStyle {
 }
 
 /// Hyperparameters of the decoder families the engine runs: Llama (and its context-extended
-/// Llama 3.x), Qwen2 / Qwen2.5 (biases on Q, K and V) and Qwen3 (RMSNorm on each head of Q
-/// and K before the rotation).
+/// Llama 3.x), Mistral, Phi-3, Qwen2 / Qwen2.5, Qwen3 and Gemma 2, which differ from Llama in
+/// the optional `parts`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
     pub vocab_size: usize,
@@ -31,11 +31,41 @@ pub struct ModelConfig {
     pub rope_style: RopeStyle,
     /// How rotary frequencies are changed for a longer context (Llama 3.x, YaRN, ...).
     pub rope_scaling: RopeScaling,
-    /// Q, K and V projections have biases (Qwen2, Llama's `attention_bias`).
+    /// What a family adds to or changes in Llama's layer.
+    pub parts: DecoderParts,
+}
+
+/// The departures from Llama's decoder layer, each off by default.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct DecoderParts {
+    /// Q, K and V projections have biases (Qwen2).
     pub qkv_bias: bool,
     /// Each head of Q and K is RMS-normalised (own weights of `head_dim`) before rotary
     /// embeddings (Qwen3).
     pub qk_norm: bool,
+    /// The attention and MLP outputs are RMS-normalised before joining the residual (Gemma 2's
+    /// post-attention and post-feedforward norms).
+    pub post_norms: bool,
+    /// Embeddings are multiplied by this (Gemma: sqrt(hidden_size)).
+    pub embed_scale: Option<f32>,
+    /// The MLP's gate activation.
+    pub activation: Activation,
+    /// Attention scores are scaled by `query_scale^-1/2` instead of `head_dim^-1/2` (Gemma's
+    /// `query_pre_attn_scalar`).
+    pub query_scale: Option<f32>,
+    /// Attention scores become `cap * tanh(score / cap)` (Gemma 2, `attn_logit_softcapping`).
+    pub attn_softcap: Option<f32>,
+    /// Logits become `cap * tanh(logit / cap)` (Gemma 2, `final_logit_softcapping`).
+    pub final_softcap: Option<f32>,
+}
+
+/// The activation of the MLP's gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activation {
+    #[default]
+    Silu,
+    /// GELU with the tanh approximation (`gelu_pytorch_tanh`, Gemma).
+    GeluTanh,
 }
 
 impl ModelConfig {
@@ -76,6 +106,16 @@ impl ModelConfig {
                 "rms_norm_eps ({}) must be a positive number",
                 self.rms_norm_eps
             )));
+        }
+        for (name, value) in [
+            ("query_pre_attn_scalar", self.parts.query_scale),
+            ("attn_logit_softcapping", self.parts.attn_softcap),
+            ("final_logit_softcapping", self.parts.final_softcap),
+            ("embedding scale", self.parts.embed_scale),
+        ] {
+            if let Some(v) = value.filter(|v| !(v.is_finite() && *v > 0.0)) {
+                return Err(EngineError::Metadata(format!("{name} ({v}) must be a positive number")));
+            }
         }
         self.rope_scaling.validate()
     }

@@ -14,7 +14,7 @@ pub enum EngineError {
     #[error("{path} is not a usable GGUF file: {reason}")]
     InvalidGguf { path: PathBuf, reason: String },
     /// The checkpoint is of an architecture the engine does not run.
-    #[error("unsupported model architecture `{0}`: this engine runs llama, mistral, qwen2, qwen3 and phi3")]
+    #[error("unsupported model architecture `{0}`: this engine runs llama, mistral, qwen2, qwen3, phi3 and gemma2")]
     UnsupportedArchitecture(String),
     /// A checkpoint setting that changes the model's math and that the engine does not
     /// implement (serving it anyway would give wrong tokens without an error).

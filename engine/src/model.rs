@@ -13,7 +13,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
 use crate::attention::{paged_attention, Heads, SeqPlan};
-use crate::config::{ModelConfig, RopeStyle, WeightFormat};
+use crate::config::{Activation, ModelConfig, RopeStyle, WeightFormat};
 use crate::error::{EngineError, Result};
 use crate::kv::cache::{KvCache, SequenceKv};
 use crate::loader::{RawTensor, TensorSource};
@@ -87,6 +87,8 @@ struct Layer {
     qkv_bias: Option<Tensor>,
     /// RMSNorm weights of one head of Q and of K (Qwen3).
     qk_norm: Option<(Tensor, Tensor)>,
+    /// Norms of the attention and the MLP outputs before the residual (Gemma 2).
+    post_norms: Option<(Tensor, Tensor)>,
     out: Linear,
     ffn_norm: Tensor,
     gate_up: Linear,
@@ -139,6 +141,12 @@ impl Model {
             config.rope_scaling = crate::rope::RopeScaling::Factors(factors);
         }
         config.validate()?;
+        if config.parts.attn_softcap.is_some() && !matches!(device, Device::Cpu) {
+            return Err(EngineError::UnsupportedSetting {
+                field: "attn_logit_softcapping".into(),
+                reason: "not implemented in the CUDA attention kernel (CPU only)".into(),
+            });
+        }
         crate::simd::check_env()?;
         let c = &config;
         let (hidden, kv_width) = (c.hidden_size, c.kv_width());
@@ -186,7 +194,7 @@ impl Model {
                 vec![req("ffn_gate", &[ffn, hidden])?, req("ffn_up", &[ffn, hidden])?]
             };
             let down = required(source, &name("ffn_down"), &[hidden, ffn])?;
-            let qkv_bias = if c.qkv_bias {
+            let qkv_bias = if c.parts.qkv_bias {
                 let parts = [("attn_q", q_width), ("attn_k", kv_width), ("attn_v", kv_width)];
                 let parts = parts.iter().map(|&(part, width)| {
                     let name = format!("blk.{i}.{part}.bias");
@@ -196,7 +204,13 @@ impl Model {
             } else {
                 None
             };
-            let qk_norm = if c.qk_norm {
+            let post_norms = if c.parts.post_norms {
+                let mut norm = |part: &str| dense_vector(required(source, &name(part), &[hidden])?, device);
+                Some((norm("post_attention_norm")?, norm("post_ffw_norm")?))
+            } else {
+                None
+            };
+            let qk_norm = if c.parts.qk_norm {
                 let mut norm = |part: &str| {
                     dense_vector(required(source, &format!("blk.{i}.{part}.weight"), &[c.head_dim])?, device)
                 };
@@ -212,6 +226,7 @@ impl Model {
                 qkv: linear(qkv, format, device)?,
                 qkv_bias,
                 qk_norm,
+                post_norms,
                 out: linear(vec![out], format, device)?,
                 ffn_norm,
                 gate_up: linear(gate_up, format, device)?,
@@ -287,7 +302,8 @@ impl Model {
         if cache.num_layers() != c.num_layers || cache.kv_width() != c.kv_width() {
             return Err(EngineError::InvalidBatch("KV cache geometry does not match the model".into()));
         }
-        let heads = Heads { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
+        let softcap = c.parts.attn_softcap.unwrap_or(0.0);
+        let heads = Heads { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim: c.head_dim, softcap };
         let mut ids = Vec::new();
         let mut positions = Vec::new();
         let mut plans = Vec::with_capacity(batch.len());
@@ -336,6 +352,11 @@ impl Model {
         let eps = c.rms_norm_eps as f32;
 
         let mut x = self.embed.index_select(&ids, 0)?;
+        if let Some(scale) = c.parts.embed_scale {
+            x = (x * scale as f64)?;
+        }
+        // The kernels scale scores by head_dim^-1/2; a family's own query scale is folded in.
+        let query_factor = c.parts.query_scale.map(|s| (c.head_dim as f64 / s as f64).sqrt());
         for (layer_idx, layer) in self.layers.iter().enumerate() {
             let h = timed(Op::Norms, || candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps))?;
             let mut qkv = timed(Op::Projections, || layer.qkv.forward(&h))?;
@@ -352,27 +373,41 @@ impl Model {
                     Ok::<_, EngineError>((per_head(&q, q_norm)?, per_head(&k, k_norm)?))
                 })?;
             }
-            let (q, k) = timed(Op::Rope, || {
+            let (mut q, k) = timed(Op::Rope, || {
                 Ok::<_, EngineError>((
                     self.rope(&q, c.num_heads, &cos, &sin)?,
                     self.rope(&k, c.num_kv_heads, &cos, &sin)?,
                 ))
             })?;
+            if let Some(f) = query_factor {
+                q = (q * f)?;
+            }
             let v = qkv.narrow(1, q_width + kv_width, kv_width)?;
             timed(Op::KvWrite, || cache.write(layer_idx, &slot_index, &k, &v))?;
             if layer_done(layer_idx).is_break() {
                 return Err(EngineError::Preempted { layers: layer_idx + 1 });
             }
             let attn = timed(Op::Attention, || paged_attention(&q, cache, layer_idx, &plans, heads))?;
-            let out = timed(Op::Projections, || layer.out.forward(&attn))?;
+            let mut out = timed(Op::Projections, || layer.out.forward(&attn))?;
+            if let Some((post_attn, _)) = &layer.post_norms {
+                out = timed(Op::Norms, || candle_nn::ops::rms_norm(&out, post_attn, eps))?;
+            }
             x = timed(Op::Residual, || x + out)?;
             let h = timed(Op::Norms, || candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps))?;
             let gate_up = timed(Op::Projections, || layer.gate_up.forward(&h))?;
             let ffn = c.intermediate_size;
             let act = timed(Op::Activation, || {
-                candle_nn::ops::silu(&gate_up.narrow(1, 0, ffn)?)? * gate_up.narrow(1, ffn, ffn)?
+                let gate = gate_up.narrow(1, 0, ffn)?;
+                let gate = match c.parts.activation {
+                    Activation::Silu => candle_nn::ops::silu(&gate)?,
+                    Activation::GeluTanh => gate.gelu()?,
+                };
+                gate * gate_up.narrow(1, ffn, ffn)?
             })?;
-            let down = timed(Op::Projections, || layer.down.forward(&act))?;
+            let mut down = timed(Op::Projections, || layer.down.forward(&act))?;
+            if let Some((_, post_ffw)) = &layer.post_norms {
+                down = timed(Op::Norms, || candle_nn::ops::rms_norm(&down, post_ffw, eps))?;
+            }
             x = timed(Op::Residual, || x + down)?;
         }
         for (seq, plan) in batch.iter_mut().zip(&plans) {
@@ -385,7 +420,11 @@ impl Model {
         timed(Op::LmHead, || {
             let last = x.index_select(&Tensor::from_vec(logit_rows, n, dev)?, 0)?;
             let last = candle_nn::ops::rms_norm(&last, &self.norm, eps)?;
-            self.lm_head.forward(&last)
+            let logits = self.lm_head.forward(&last)?;
+            match c.parts.final_softcap {
+                Some(cap) => Ok(((logits / cap as f64)?.tanh()? * cap as f64)?),
+                None => Ok(logits),
+            }
         })
     }
 

@@ -29,7 +29,7 @@ fn families() -> Vec<PathBuf> {
         .filter(|p| p.join("reference.json").is_file())
         .collect();
     dirs.sort();
-    assert!(dirs.len() >= 9, "expected the nine family fixtures, found {dirs:?}");
+    assert!(dirs.len() >= 10, "expected the ten family fixtures, found {dirs:?}");
     dirs
 }
 
@@ -176,6 +176,6 @@ fn settings_and_tensors_the_engine_would_ignore_are_refused_by_name() {
     assert!(err.to_string().contains("rope_parameters.rope_type"), "{err}");
     let err = load_edited("llama-tied", |c| c["tie_word_embeddings"] = false.into());
     assert!(matches!(&err, pd_engine::EngineError::MissingTensor(n) if n == "lm_head.weight"), "{err}");
-    let err = load_edited("qwen3", |c| c["model_type"] = "gemma2".into());
-    assert!(matches!(&err, pd_engine::EngineError::UnsupportedArchitecture(a) if a == "gemma2"), "{err}");
+    let err = load_edited("qwen3", |c| c["model_type"] = "gemma3_text".into());
+    assert!(matches!(&err, pd_engine::EngineError::UnsupportedArchitecture(a) if a == "gemma3_text"), "{err}");
 }

@@ -22,6 +22,7 @@ import os
 import sys
 
 import math
+import zlib
 
 import gguf
 import numpy as np
@@ -72,6 +73,19 @@ CASES = {
     # Phi-3 mini's layout (fused qkv_proj and gate_up_proj) with its sliding window above the
     # positions used (pd caps the context there).
     "phi3": ("phi3", {"sliding_window": 96, "pad_token_id": 0, "original_max_position_embeddings": 128}),
+    # Gemma 2 with caps low enough to bite and a query scale other than head_dim.
+    "gemma2": (
+        "gemma2",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 8.0,
+            "sliding_window": 96,
+            "pad_token_id": 0,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+    ),
 }
 
 # GGUF architecture of each case llama.cpp converts (Mistral's files use llama's).
@@ -209,10 +223,13 @@ def write_tokenizer(folder, vocab_size):
 
 
 def main(out_dir):
-    for seed, (name, (model_type, extra)) in enumerate(sorted(CASES.items())):
+    for name, (model_type, extra) in sorted(CASES.items()):
+        # A seed of the case's own (adding a case leaves the others' fixtures as they are).
+        seed = zlib.crc32(name.encode()) % 10_000
         config = AutoConfig.for_model(model_type, **{**SMALL, **extra})
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        # Eager attention: the one transformers applies Gemma 2's soft-capping in.
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
         randomise(model, 1000 + seed)
         ids = torch.tensor([PROMPT])
         with torch.no_grad():

@@ -24,7 +24,7 @@ pub(crate) fn paged_decode(
     contexts: &[&[u32]],
     heads: Heads,
 ) -> Result<Tensor> {
-    let Heads { num_heads, num_kv_heads, head_dim } = heads;
+    let Heads { num_heads, num_kv_heads, head_dim, .. } = heads;
     let rows = contexts.len();
     if head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads != 0 || q.dims2()? != (rows, num_heads * head_dim) {
         return Err(EngineError::InvalidBatch(format!(

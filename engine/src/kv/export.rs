@@ -350,8 +350,7 @@ mod tests {
             rms_norm_eps: 1e-5,
             rope_style: crate::config::RopeStyle::Halves,
             rope_scaling: Default::default(),
-            qkv_bias: false,
-            qk_norm: false,
+            parts: Default::default(),
         }
     }
 

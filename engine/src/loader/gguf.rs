@@ -11,7 +11,7 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::Device;
 
 use super::{RawTensor, TensorSource};
-use crate::config::{ModelConfig, RopeScaling, RopeStyle};
+use crate::config::{DecoderParts, ModelConfig, RopeScaling, RopeStyle};
 use crate::error::{EngineError, Result};
 
 /// An open GGUF file whose tensor data was checked to be all there.
@@ -123,8 +123,7 @@ impl GgufFile {
             rms_norm_eps: float("attention.layer_norm_rms_epsilon")? as f64,
             rope_style,
             rope_scaling: self.rope_scaling(&arch)?,
-            qkv_bias,
-            qk_norm,
+            parts: DecoderParts { qkv_bias, qk_norm, ..Default::default() },
         };
         config.validate()?;
         Ok(config)

@@ -1,4 +1,4 @@
-//! Hugging Face model folders (Llama, Mistral, Qwen2, Qwen3, Phi-3): config.json, tokenizer.json,
+//! Hugging Face model folders (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2): config.json, tokenizer.json,
 //! tokenizer_config.json (chat template, optional) and *.safetensors.
 
 use std::collections::HashMap;
@@ -100,8 +100,9 @@ impl HfFolder {
     }
 }
 
-/// Hugging Face name of a GGUF tensor name.
-fn hf_name(gguf: &str) -> Option<String> {
+/// Hugging Face name of a GGUF tensor name; `gemma`: Gemma 2's four norms per layer (its
+/// `post_attention_layernorm` follows attention, `pre_feedforward_layernorm` is Llama's).
+fn hf_name(gguf: &str, gemma: bool) -> Option<String> {
     match gguf {
         "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
         "output_norm.weight" => return Some("model.norm.weight".into()),
@@ -111,35 +112,44 @@ fn hf_name(gguf: &str) -> Option<String> {
     }
     let rest = gguf.strip_prefix("blk.")?;
     let (layer, part) = rest.split_once('.')?;
-    let part = match part {
-        "attn_norm.weight" => "input_layernorm.weight",
-        "attn_q.weight" => "self_attn.q_proj.weight",
-        "attn_k.weight" => "self_attn.k_proj.weight",
-        "attn_v.weight" => "self_attn.v_proj.weight",
-        "attn_output.weight" => "self_attn.o_proj.weight",
-        "attn_q.bias" => "self_attn.q_proj.bias",
-        "attn_k.bias" => "self_attn.k_proj.bias",
-        "attn_v.bias" => "self_attn.v_proj.bias",
-        "attn_qkv.weight" => "self_attn.qkv_proj.weight",
-        "ffn_gate_up.weight" => "mlp.gate_up_proj.weight",
-        "attn_q_norm.weight" => "self_attn.q_norm.weight",
-        "attn_k_norm.weight" => "self_attn.k_norm.weight",
-        "ffn_norm.weight" => "post_attention_layernorm.weight",
-        "ffn_gate.weight" => "mlp.gate_proj.weight",
-        "ffn_up.weight" => "mlp.up_proj.weight",
-        "ffn_down.weight" => "mlp.down_proj.weight",
-        _ => return None,
+    let part = match (part, gemma) {
+        ("ffn_norm.weight", true) => "pre_feedforward_layernorm.weight",
+        ("post_attention_norm.weight", true) => "post_attention_layernorm.weight",
+        ("post_ffw_norm.weight", true) => "post_feedforward_layernorm.weight",
+        (part, _) => match part {
+            "attn_norm.weight" => "input_layernorm.weight",
+            "attn_q.weight" => "self_attn.q_proj.weight",
+            "attn_k.weight" => "self_attn.k_proj.weight",
+            "attn_v.weight" => "self_attn.v_proj.weight",
+            "attn_output.weight" => "self_attn.o_proj.weight",
+            "attn_q.bias" => "self_attn.q_proj.bias",
+            "attn_k.bias" => "self_attn.k_proj.bias",
+            "attn_v.bias" => "self_attn.v_proj.bias",
+            "attn_qkv.weight" => "self_attn.qkv_proj.weight",
+            "ffn_gate_up.weight" => "mlp.gate_up_proj.weight",
+            "attn_q_norm.weight" => "self_attn.q_norm.weight",
+            "attn_k_norm.weight" => "self_attn.k_norm.weight",
+            "ffn_norm.weight" => "post_attention_layernorm.weight",
+            "ffn_gate.weight" => "mlp.gate_proj.weight",
+            "ffn_up.weight" => "mlp.up_proj.weight",
+            "ffn_down.weight" => "mlp.down_proj.weight",
+            _ => return None,
+        },
     };
     Some(format!("model.layers.{layer}.{part}"))
 }
 
 impl TensorSource for HfFolder {
     fn take(&mut self, name: &str) -> Result<Option<RawTensor>> {
-        let Some(hf) = hf_name(name) else { return Ok(None) };
+        let Some(hf) = hf_name(name, self.config.norm_offset()) else { return Ok(None) };
         let tied = name == "output.weight" && self.config.tied_embeddings();
         match self.tensors.remove(&hf) {
             // A tied checkpoint that also stores the copy: the embedding is what the model uses.
             Some(_) if tied => Ok(None),
+            // Gemma computes x * (1 + w) (llama.cpp's converter stores 1 + w in GGUF files).
+            Some(t) if self.config.norm_offset() && name.ends_with("norm.weight") => {
+                Ok(Some(RawTensor::Dense((t.to_dtype(candle_core::DType::F32)? + 1.0)?)))
+            }
             Some(t) => Ok(Some(RawTensor::Dense(t))),
             None if tied => Ok(None),
             // Report the name as the folder spells it.
@@ -148,7 +158,7 @@ impl TensorSource for HfFolder {
     }
 
     fn contains(&self, name: &str) -> bool {
-        hf_name(name).is_some_and(|hf| self.tensors.contains_key(&hf))
+        hf_name(name, self.config.norm_offset()).is_some_and(|hf| self.tensors.contains_key(&hf))
     }
 
     fn unused(&self) -> Vec<String> {

@@ -7,7 +7,7 @@
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use crate::config::{ModelConfig, RopeScaling, RopeStyle};
+use crate::config::{Activation, DecoderParts, ModelConfig, RopeScaling, RopeStyle};
 use crate::error::{EngineError, Result};
 
 /// The decoder families a folder may hold (all in Llama's layout).
@@ -19,6 +19,9 @@ pub enum Family {
     Qwen3,
     /// Phi-3 / Phi-3.5 mini: Llama's math with Q/K/V and gate/up stored fused.
     Phi3,
+    /// Gemma 2: (1 + w) norms, norms after attention and MLP too, scaled embeddings, GELU,
+    /// soft-capped attention scores and logits, alternating sliding-window layers.
+    Gemma2,
 }
 
 impl Family {
@@ -29,6 +32,7 @@ impl Family {
             Some("qwen2") => Some(Family::Qwen2),
             Some("qwen3") => Some(Family::Qwen3),
             Some("phi3") => Some(Family::Phi3),
+            Some("gemma2") => Some(Family::Gemma2),
             _ => None,
         };
         let by_arch = architectures.iter().find_map(|a| match a.as_str() {
@@ -37,6 +41,7 @@ impl Family {
             "Qwen2ForCausalLM" => Some(Family::Qwen2),
             "Qwen3ForCausalLM" => Some(Family::Qwen3),
             "Phi3ForCausalLM" => Some(Family::Phi3),
+            "Gemma2ForCausalLM" => Some(Family::Gemma2),
             _ => None,
         });
         // transformers picks the model class by `model_type` when there is one.
@@ -94,7 +99,17 @@ impl HfConfig {
     /// Whether the output projection is the embedding matrix (each family's default when
     /// the config does not say).
     pub(super) fn tied_embeddings(&self) -> bool {
-        self.tie_word_embeddings.unwrap_or(false)
+        let gemma = self.family().is_ok_and(|f| f == Family::Gemma2);
+        self.tie_word_embeddings.unwrap_or(gemma)
+    }
+
+    /// Gemma's norms compute `x * (1 + w)`; the folder stores `w`.
+    pub(super) fn norm_offset(&self) -> bool {
+        self.family().is_ok_and(|f| f == Family::Gemma2)
+    }
+
+    fn number(&self, key: &str) -> Option<f32> {
+        self.value(key).and_then(Value::as_f64).map(|v| v as f32)
     }
 
     fn value(&self, key: &str) -> Option<&Value> {
@@ -107,9 +122,12 @@ impl HfConfig {
 
     /// Refuses the settings that change the output and that the engine does not implement.
     fn refuse_unsupported(&self, family: Family) -> Result<()> {
-        if let Some(act) = self.value("hidden_act").or_else(|| self.value("hidden_activation")) {
-            if act.as_str() != Some("silu") {
-                return Err(unsupported("hidden_act", format!("{act} (only silu is implemented)")));
+        let gemma = family == Family::Gemma2;
+        for key in ["hidden_act", "hidden_activation"] {
+            match self.value(key).and_then(Value::as_str) {
+                None | Some("silu") => {}
+                Some("gelu_pytorch_tanh") if gemma => {}
+                Some(other) => return Err(unsupported(key, format!("`{other}` (silu; gelu_pytorch_tanh for Gemma)"))),
             }
         }
         if self.flag("attention_bias") {
@@ -127,19 +145,21 @@ impl HfConfig {
             }
         }
         if let Some(Value::Array(types)) = self.value("layer_types") {
-            if let Some(t) = types.iter().find(|t| t.as_str() != Some("full_attention")) {
+            // Gemma 2's sliding layers attend fully within the window, where the context is capped.
+            let known =
+                |t: &Value| t.as_str() == Some("full_attention") || (gemma && t.as_str() == Some("sliding_attention"));
+            if let Some(t) = types.iter().find(|t| !known(t)) {
                 return Err(unsupported("layer_types", format!("{t} (only full_attention layers)")));
             }
         }
-        for key in [
-            "attn_logit_softcapping",
-            "final_logit_softcapping",
-            "query_pre_attn_scalar",
+        let gemma_keys: &[&str] =
+            if gemma { &[] } else { &["attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"] };
+        for key in gemma_keys.iter().chain(&[
             "logits_scaling",
             "embedding_multiplier",
             "residual_multiplier",
             "attention_multiplier",
-        ] {
+        ]) {
             if let Some(v) = self.value(key) {
                 return Err(unsupported(key, format!("{v}")));
             }
@@ -210,11 +230,27 @@ impl HfConfig {
         let family = self.family()?;
         self.refuse_unsupported(family)?;
         let (rope_scaling, rope_theta) = self.rope()?;
-        // Mistral's and Phi-3's sliding window equals full attention up to the window: the
-        // context is capped there rather than the window implemented.
+        // Mistral's, Phi-3's and Gemma 2's sliding window equals full attention up to the
+        // window: the context is capped there rather than the window implemented.
         let window = match family {
-            Family::Mistral | Family::Phi3 => self.value("sliding_window").and_then(Value::as_u64).map(|w| w as usize),
+            Family::Mistral | Family::Phi3 | Family::Gemma2 => {
+                self.value("sliding_window").and_then(Value::as_u64).map(|w| w as usize)
+            }
             _ => None,
+        };
+        let parts = match family {
+            Family::Qwen2 => DecoderParts { qkv_bias: true, ..Default::default() },
+            Family::Qwen3 => DecoderParts { qk_norm: true, ..Default::default() },
+            Family::Gemma2 => DecoderParts {
+                post_norms: true,
+                embed_scale: Some((self.hidden_size as f32).sqrt()),
+                activation: Activation::GeluTanh,
+                query_scale: self.number("query_pre_attn_scalar"),
+                attn_softcap: self.number("attn_logit_softcapping"),
+                final_softcap: self.number("final_logit_softcapping"),
+                ..Default::default()
+            },
+            Family::Llama | Family::Mistral | Family::Phi3 => DecoderParts::default(),
         };
         let max_position = window.map_or(self.max_position_embeddings, |w| w.min(self.max_position_embeddings));
         let config = ModelConfig {
@@ -230,8 +266,7 @@ impl HfConfig {
             rms_norm_eps: self.rms_norm_eps,
             rope_style: RopeStyle::Halves,
             rope_scaling,
-            qkv_bias: family == Family::Qwen2,
-            qk_norm: family == Family::Qwen3,
+            parts,
         };
         config.validate()?;
         Ok(config)
@@ -286,16 +321,16 @@ mod tests {
             let err = config(extra.clone()).expect_err("refused").to_string();
             assert!(err.contains(field), "{extra}: {err}");
         }
-        let err = config(serde_json::json!({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}));
-        assert!(matches!(err, Err(EngineError::UnsupportedArchitecture(a)) if a == "gemma2"));
+        let err = config(serde_json::json!({"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}));
+        assert!(matches!(err, Err(EngineError::UnsupportedArchitecture(a)) if a == "gemma3_text"));
     }
 
     #[test]
     fn families_set_their_parts() {
         let qwen2 = config(serde_json::json!({"model_type": "qwen2", "sliding_window": 32})).expect("valid");
-        assert!(qwen2.qkv_bias && !qwen2.qk_norm && qwen2.max_position == 256);
+        assert!(qwen2.parts.qkv_bias && !qwen2.parts.qk_norm && qwen2.max_position == 256);
         let qwen3 = config(serde_json::json!({"model_type": "qwen3", "head_dim": 16})).expect("valid");
-        assert!(qwen3.qk_norm && !qwen3.qkv_bias && qwen3.head_dim == 16);
+        assert!(qwen3.parts.qk_norm && !qwen3.parts.qkv_bias && qwen3.head_dim == 16);
         let mistral = config(serde_json::json!({"model_type": "mistral", "sliding_window": 128})).expect("valid");
         assert_eq!(mistral.max_position, 128, "context capped at the window");
     }

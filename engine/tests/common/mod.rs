@@ -25,8 +25,7 @@ pub fn tiny_config() -> ModelConfig {
         rms_norm_eps: 1e-5,
         rope_style: RopeStyle::Halves,
         rope_scaling: Default::default(),
-        qkv_bias: false,
-        qk_norm: false,
+        parts: Default::default(),
     }
 }
 
