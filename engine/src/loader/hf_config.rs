@@ -173,13 +173,13 @@ impl HfConfig {
     }
 
     /// The rotary scheme and base, from `rope_parameters` or `rope_scaling` + `rope_theta`.
-    /// `dynamic` (NTK) changes nothing within the trained context, which the engine does not
-    /// exceed, so it is served as the plain scheme.
-    fn rope(&self) -> Result<(RopeScaling, f32)> {
+    /// `dynamic` (NTK) changes nothing up to its original context: it is served as the plain
+    /// scheme with the context capped there (the third value: a cap on the context).
+    fn rope(&self) -> Result<(RopeScaling, f32, Option<usize>)> {
         let params = self.rope_parameters.as_ref().or(self.rope_scaling.as_ref()).filter(|v| !v.is_null());
         let theta_in = params.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64).map(|t| t as f32);
         let theta = theta_in.or(self.rope_theta).unwrap_or(10_000.0);
-        let Some(p) = params else { return Ok((RopeScaling::None, theta)) };
+        let Some(p) = params else { return Ok((RopeScaling::None, theta, None)) };
         let field = if self.rope_parameters.is_some() { "rope_parameters" } else { "rope_scaling" };
         let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
         let num = |key: &str| p.get(key).filter(|v| !v.is_null()).and_then(Value::as_f64).map(|v| v as f32);
@@ -193,7 +193,8 @@ impl HfConfig {
         let scaling = match kind {
             "default" => RopeScaling::None,
             "linear" => RopeScaling::Linear { factor: need("factor")? },
-            "dynamic" => RopeScaling::None,
+            // NTK scaling starts past the original context; the engine stops there.
+            "dynamic" => return Ok((RopeScaling::None, theta, Some(original()))),
             "llama3" => RopeScaling::Llama3 {
                 factor: need("factor")?,
                 low_freq_factor: need("low_freq_factor")?,
@@ -223,13 +224,13 @@ impl HfConfig {
             }
             other => return Err(unsupported(&format!("{field}.rope_type"), format!("`{other}`"))),
         };
-        Ok((scaling, theta))
+        Ok((scaling, theta, None))
     }
 
     pub(super) fn model_config(&self) -> Result<ModelConfig> {
         let family = self.family()?;
         self.refuse_unsupported(family)?;
-        let (rope_scaling, rope_theta) = self.rope()?;
+        let (rope_scaling, rope_theta, rope_cap) = self.rope()?;
         // Mistral's, Phi-3's and Gemma 2's sliding window equals full attention up to the
         // window: the context is capped there rather than the window implemented.
         let window = match family {
@@ -252,7 +253,7 @@ impl HfConfig {
             },
             Family::Llama | Family::Mistral | Family::Phi3 => DecoderParts::default(),
         };
-        let max_position = window.map_or(self.max_position_embeddings, |w| w.min(self.max_position_embeddings));
+        let max_position = [window, rope_cap].into_iter().flatten().fold(self.max_position_embeddings, usize::min);
         let config = ModelConfig {
             vocab_size: self.vocab_size,
             hidden_size: self.hidden_size,
@@ -299,6 +300,14 @@ mod tests {
             "rope_theta": 500.0}}))
         .expect("valid");
         assert_eq!((c.rope_scaling, c.rope_theta), (RopeScaling::Linear { factor: 2.0 }, 500.0));
+        let c = config(serde_json::json!({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0,
+            "original_max_position_embeddings": 64}}))
+        .expect("valid");
+        assert_eq!(
+            (c.rope_scaling, c.max_position),
+            (RopeScaling::None, 64),
+            "dynamic: the context stops where it starts"
+        );
     }
 
     #[test]
