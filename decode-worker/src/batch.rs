@@ -12,7 +12,9 @@
 
 use std::time::Instant;
 
-use pd_engine::{BatchSeq, EngineError, OutputTracker, Sampler, SamplingParams, SequenceKv, Tokenizer};
+use pd_engine::{
+    BatchSeq, BlockAllocation, EngineError, OutputTracker, Sampler, SamplingParams, SequenceKv, Tokenizer,
+};
 use pd_kv_transfer::convert::logprobs_to_pb;
 use pd_proto::v1 as pb;
 use pd_telemetry::metrics::DecodeMetrics;
@@ -95,7 +97,34 @@ pub struct Admission {
     /// `decode.generate`, ended when the sequence leaves the batch.
     pub span: StageSpan,
     pub labels: StageLabels,
+    /// The request's other answers, for a prompt that runs here: they join once it has run,
+    /// over its KV (the prompt computed once for all of them).
+    pub forks: Vec<Fork>,
 }
+
+/// One more answer to a prompt that runs here: joins when the prompt is complete, sharing its
+/// full blocks, recomputing its last position to draw its own first token.
+#[derive(Debug)]
+pub struct Fork {
+    pub index: u32,
+    /// Its own blocks, from the block of the prompt's last position to the end of its output.
+    pub own: BlockAllocation,
+    pub params: SamplingParams,
+    pub span: StageSpan,
+}
+
+/// What applying a step's logits needs from the worker: detokenizing, metrics, and forking
+/// a completed prompt's KV for its other answers.
+#[derive(Clone, Copy)]
+pub struct StepTools<'a> {
+    pub tokenizer: &'a Tokenizer,
+    pub metrics: &'a DecodeMetrics,
+    pub fork: Forker<'a>,
+}
+
+/// Makes a fork's KV: the parent's first `valid` positions, growing into `own`
+/// (`Engine::fork_sequence` in the batch loop).
+pub type Forker<'a> = &'a dyn Fn(&SequenceKv, usize, BlockAllocation) -> Result<SequenceKv, EngineError>;
 
 #[derive(Debug)]
 enum Phase {
@@ -130,6 +159,8 @@ struct Running {
     events: mpsc::UnboundedSender<Event>,
     span: StageSpan,
     labels: StageLabels,
+    /// Answers waiting for this prompt to complete.
+    forks: Vec<Fork>,
 }
 
 impl Drop for Running {
@@ -221,6 +252,37 @@ impl Running {
         self.clock.started = Instant::now();
         true
     }
+
+    /// The answers waiting for this (complete) prompt, over its KV; a fork whose KV cannot be
+    /// made fails the request on the shared stream.
+    fn spawn_forks(&mut self, fork: Forker<'_>) -> Vec<Admission> {
+        let last = self.prompt.len() - 1;
+        let forks = std::mem::take(&mut self.forks);
+        let mut admissions = Vec::with_capacity(forks.len());
+        for f in forks {
+            match fork(&self.kv, last, f.own) {
+                Ok(kv) => admissions.push(Admission {
+                    index: f.index,
+                    kv,
+                    start: Start::Prompt { from: last },
+                    prompt: self.prompt.clone(),
+                    params: f.params,
+                    cached_tokens: self.cached_tokens,
+                    received: Received::default(),
+                    events: self.events.clone(),
+                    span: f.span,
+                    labels: self.labels.clone(),
+                    forks: Vec::new(),
+                }),
+                Err(e) => {
+                    let message = format!("answer {} could not share the prompt's KV: {e}", f.index);
+                    f.span.error(message.clone());
+                    let _ = self.events.send(Err(tonic::Status::internal(message)));
+                }
+            }
+        }
+        admissions
+    }
 }
 
 /// The running batch; see the module docs.
@@ -245,9 +307,11 @@ impl BatchState {
         self.running.is_empty()
     }
 
-    /// How many more sequences may join.
+    /// How many more sequences may join (answers waiting for their prompt count: they join
+    /// without asking). A prompt with forks may take the batch past `max_batch` by them once.
     pub fn room(&self) -> usize {
-        self.max_batch.saturating_sub(self.running.len())
+        let held: usize = self.running.iter().map(|s| 1 + s.forks.len()).sum();
+        self.max_batch.saturating_sub(held)
     }
 
     /// Joins `a` to the batch. A prefilled sequence streams its first token at once (it may
@@ -288,6 +352,7 @@ impl BatchState {
             events: a.events,
             span: a.span,
             labels: a.labels,
+            forks: a.forks,
         };
         if first.is_none_or(|(token, logprobs)| seq.emit(token, logprobs, tokenizer, metrics)) {
             self.running.push(seq);
@@ -356,21 +421,26 @@ impl BatchState {
     }
 
     /// Applies a step's logits (one row per sequence that asked, in batch order): advances
-    /// prompts, samples and streams tokens, and removes the sequences that are done.
+    /// prompts (a complete one lets its forks join, made by `fork`), samples and streams
+    /// tokens, and removes the sequences that are done.
     pub fn apply_logits(
         &mut self,
         takes: &[usize],
         logits: &candle_core::Tensor,
         step_started: Instant,
-        tokenizer: &Tokenizer,
-        metrics: &DecodeMetrics,
+        with: StepTools<'_>,
     ) {
+        let StepTools { tokenizer, metrics, fork } = with;
         let mut row = 0;
         let mut keep = Vec::with_capacity(self.running.len());
+        let mut forked = Vec::new();
         for (mut seq, &take) in self.running.drain(..).zip(takes) {
             if take == 0 || !seq.advance_prompt(take, step_started) {
                 keep.push(seq);
                 continue;
+            }
+            if !seq.forks.is_empty() {
+                forked.extend(seq.spawn_forks(fork));
             }
             let sampled = logits.get(row).map_err(EngineError::from).and_then(|r| seq.sampler.draw(&r));
             row += 1;
@@ -383,6 +453,9 @@ impl BatchState {
             }
         }
         self.running = keep;
+        for a in forked {
+            self.admit(a, tokenizer, metrics);
+        }
     }
 }
 

@@ -12,7 +12,7 @@ use std::time::Instant;
 use pd_engine::Engine;
 use pd_telemetry::metrics::DecodeMetrics;
 
-use crate::batch::{Admission, BatchState, PrefillPolicy};
+use crate::batch::{Admission, BatchState, PrefillPolicy, StepTools};
 
 /// Handle to the batch loop.
 #[derive(Clone)]
@@ -135,7 +135,12 @@ impl Loop {
         self.step_ms.store(smoothed.to_bits(), Ordering::Relaxed);
         match logits {
             Ok(logits) => {
-                self.state.apply_logits(&takes, &logits, step_started, self.engine.tokenizer(), &self.metrics)
+                let engine = &self.engine;
+                let fork = |kv: &pd_engine::SequenceKv, valid: usize, own: pd_engine::BlockAllocation| {
+                    engine.fork_sequence(kv, valid, own)
+                };
+                let with = StepTools { tokenizer: engine.tokenizer(), metrics: &self.metrics, fork: &fork };
+                self.state.apply_logits(&takes, &logits, step_started, with)
             }
             Err(e) => self.state.fail_all(tonic::Status::internal(format!("decode step failed: {e}"))),
         }

@@ -36,7 +36,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::batch::{event, Admission, Event, Received, Start};
+use crate::batch::{event, Admission, Event, Fork, Received, Start};
 use crate::batcher::Batcher;
 use crate::error::DecodeError;
 
@@ -184,7 +184,8 @@ impl DecodeService {
     }
 
     /// A prompt that runs here: blocks for prompt and output now (its cached prefix shared),
-    /// no KV target, no transfer; once per answer.
+    /// no KV target, no transfer. The prompt runs once: answers 1.. join over its KV when it
+    /// is complete (their own blocks taken now, all or nothing).
     fn admit_local(
         &self,
         c: Checked,
@@ -192,30 +193,35 @@ impl DecodeService {
         admit: &StageSpan,
     ) -> Result<(), DecodeError> {
         let capacity = c.prompt.len() + c.params.max_tokens;
-        let mut answers = Vec::with_capacity(c.n);
-        for _ in 0..c.n {
-            answers.push(self.engine.sequence_for_prompt(&c.prompt, capacity).map_err(DecodeError::OutOfBlocks)?);
-        }
-        let cached = answers[0].1;
+        let (kv, cached) = self.engine.sequence_for_prompt(&c.prompt, capacity).map_err(DecodeError::OutOfBlocks)?;
+        let own = self.fork_blocks(&c)?;
         self.metrics.prefix.observe(c.prompt.len(), cached);
         admit.set("pd.prefix.cached_tokens", cached as i64);
-        for (index, (kv, cached)) in answers.into_iter().enumerate() {
-            let span = self.generate_span(&c, index);
-            span.set("pd.prefill_here", true);
-            self.batcher.admit(Admission {
-                index: index as u32,
-                kv,
-                start: Start::Prompt { from: cached },
-                prompt: c.prompt.clone(),
-                params: c.params.for_choice(index),
-                cached_tokens: cached,
-                received: Received::default(),
-                events: events.clone(),
-                span,
-                labels: c.labels.clone(),
-            })?;
-        }
-        Ok(())
+        let forks = own
+            .into_iter()
+            .enumerate()
+            .map(|(i, own)| {
+                let index = i + 1;
+                let span = self.generate_span(&c, index);
+                span.set("pd.prefill_here", true);
+                Fork { index: index as u32, own, params: c.params.for_choice(index), span }
+            })
+            .collect();
+        let span = self.generate_span(&c, 0);
+        span.set("pd.prefill_here", true);
+        self.batcher.admit(Admission {
+            index: 0,
+            kv,
+            start: Start::Prompt { from: cached },
+            prompt: c.prompt.clone(),
+            params: c.params.clone(),
+            cached_tokens: cached,
+            received: Received::default(),
+            events,
+            span,
+            labels: c.labels.clone(),
+            forks,
+        })
     }
 
     /// `decode.generate` of answer `index`.
@@ -309,6 +315,7 @@ impl DecodeService {
                 events: events.clone(),
                 span: self.generate_span(&c, index),
                 labels: c.labels.clone(),
+                forks: Vec::new(),
             });
         }
         admissions.insert(
@@ -324,6 +331,7 @@ impl DecodeService {
                 events,
                 span: self.generate_span(&c, 0),
                 labels: c.labels.clone(),
+                forks: Vec::new(),
             },
         );
         admissions.into_iter().try_for_each(|a| self.batcher.admit(a))

@@ -18,11 +18,17 @@
 //! position). The lost worker is quarantined (`--quarantine-ms`); after `MIGRATION_LIMIT`
 //! migrations, or with no other decode worker, the request ends with a typed error. Token
 //! ids are never repeated or skipped; text the lost worker held back (a possible stop-string
-//! start, half a UTF-8 character) is not recovered.
+//! start, half a UTF-8 character) is not recovered. A request for `n` answers shares one leg
+//! until its worker is lost; then each unfinished answer continues on a leg of its own
+//! (its prompt plus its own tokens, its own seed), and the answers already ended stay ended.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use futures_util::Stream;
 use pb::decode_event::Event;
 use pd_engine::TextSide;
 use pd_kv_transfer::convert::sampling_to_pb;
@@ -68,10 +74,11 @@ async fn open_decode(
     route: &mut Route,
     req: &ValidRequest,
     record: &RequestRecord,
+    transfer: &str,
 ) -> Result<Opened, RouterError> {
     let prefill_here = route.prefill.is_none();
     let request = pb::DecodeRequest {
-        request_id: record.request_id.clone(),
+        request_id: transfer.to_owned(),
         prompt_tokens: req.prompt_tokens.clone(),
         sampling: Some(sampling_to_pb(&req.params)),
         lease_ms: 0,
@@ -99,20 +106,20 @@ async fn open_decode(
 
 /// The prefill call for a KV target; no attempt starts after the target's lease ends.
 fn prefill_call(
-    scheduler: &Arc<Scheduler>,
-    text: &Arc<TextSide>,
+    origin: &Origin,
     first: Option<crate::workers::Picked<pb::prefill_worker_client::PrefillWorkerClient<tonic::transport::Channel>>>,
     target: pb::KvTarget,
     req: &ValidRequest,
     record: &RequestRecord,
+    transfer: &str,
 ) -> PrefillCall {
     let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     let lease_left = Duration::from_millis(target.lease_deadline_unix_ms.saturating_sub(now_ms));
     PrefillCall {
-        scheduler: scheduler.clone(),
+        scheduler: origin.scheduler.clone(),
         first,
         request: pb::PrefillRequest {
-            request_id: record.request_id.clone(),
+            request_id: transfer.to_owned(),
             prompt_tokens: req.prompt_tokens.clone(),
             target: Some(target),
             sampling: Some(sampling_to_pb(&req.params)),
@@ -122,7 +129,7 @@ fn prefill_call(
         cx: record.span().context().clone(),
         class: record.class().clone(),
         metrics: record.metrics().clone(),
-        text: text.clone(),
+        text: origin.text.clone(),
         params: req.params.clone(),
     }
 }
@@ -159,7 +166,7 @@ struct Origin {
 }
 
 /// One decode worker's part of a request: its stream, the prefill feeding it, the merge of
-/// the two, the capacity it holds.
+/// the two, the capacity it holds, and which of the request's answers it carries.
 struct Leg {
     events: tonic::Streaming<pb::DecodeEvent>,
     /// The prefill (None once answered, or when the decode worker prefills); aborted when
@@ -171,8 +178,23 @@ struct Leg {
     ticket: Ticket,
     prefilled: bool,
     decode: String,
-    /// Output tokens sent before this leg (after migrations).
+    /// The request's answer index of each of this leg's answers (the leg's own index is the
+    /// position here): 0 .. n for the first leg, one answer for a migrated leg.
+    answers: Vec<u32>,
+    /// Output tokens its answer sent before this leg (after migrations).
     offset: usize,
+}
+
+/// Which part of a request a leg carries.
+struct Part {
+    /// Leg-local answer index -> the request's answer index.
+    answers: Vec<u32>,
+    /// Tokens each of its answers had sent before this leg.
+    offset: usize,
+    /// The leg's KV transfer id on the workers: the request id for its first leg, a
+    /// suffixed one for each migrated leg (the answers of one request may continue on the
+    /// same decode worker, each with a reservation of its own).
+    transfer: String,
 }
 
 /// Routes a granted request (`req`: the leg's prompt and sampling) and opens its decode
@@ -182,23 +204,24 @@ async fn open_leg(
     req: &ValidRequest,
     record: &mut RequestRecord,
     grant: Grant,
-    offset: usize,
+    part: Part,
 ) -> Result<Leg, RouterError> {
     let metrics = record.metrics().clone();
     record.router_queue_ms.get_or_insert(grant.waited.as_secs_f64() * 1e3);
     let mut chosen = route(&origin.scheduler.pools, grant, &metrics, record)?;
     let opening = Instant::now();
-    let opened = open_decode(&origin.scheduler.pools, &mut chosen, req, record).await?;
+    let opened = open_decode(&origin.scheduler.pools, &mut chosen, req, record, &part.transfer).await?;
     record.decode_open_ms.get_or_insert(opening.elapsed().as_secs_f64() * 1e3);
     chosen.ticket.decode_opened();
     let decode = chosen.decode.addr.clone();
     let Route { prefill: first, ticket, .. } = chosen;
     let prefill = opened.target.map(|t| {
-        let call = prefill_call(&origin.scheduler, &origin.text, first, t, req, record);
+        let call = prefill_call(origin, first, t, req, record, &part.transfer);
         AbortOnDrop(tokio::spawn(call.run()))
     });
     let relay = Relay::new(prefill.is_some(), req.n);
-    Ok(Leg { events: opened.events, prefill, relay, ticket, prefilled: false, decode, offset })
+    let Part { answers, offset, .. } = part;
+    Ok(Leg { events: opened.events, prefill, relay, ticket, prefilled: false, decode, answers, offset })
 }
 
 /// Starts `req` of `class` and returns its updates. Errors before the stream opens (refusal,
@@ -213,7 +236,8 @@ pub async fn start(
     let origin = Origin { scheduler, text, req: req.clone(), class };
     let leg = async {
         let grant = queue(&origin.scheduler, &origin.class, req, &record).await?;
-        open_leg(&origin, req, &mut record, grant, 0).await
+        let part = Part { answers: (0..req.n as u32).collect(), offset: 0, transfer: record.request_id.clone() };
+        open_leg(&origin, req, &mut record, grant, part).await
     }
     .await;
     let leg = match leg {
@@ -225,39 +249,52 @@ pub async fn start(
     };
     let (tx, rx) = mpsc::channel(64);
     let last_word = LastWord::default();
+    let n = req.n.max(1);
     let task = RelayTask {
-        leg,
+        legs: vec![leg],
         tx,
         last_word: last_word.clone(),
         record,
         origin,
-        sent: Vec::new(),
+        sent: vec![Vec::new(); n],
+        completed: vec![None; n],
+        cached_tokens: 0,
         migrations: 0,
         first_finish: None,
+        turn: 0,
     };
     tokio::spawn(task.run());
     Ok(Updates::new(rx, last_word))
 }
 
-/// Feeds a request's legs through their `Relay` to the client.
+/// Feeds a request's legs through their `Relay`s to the client.
 struct RelayTask {
-    leg: Leg,
+    /// The legs still streaming: one, until a decode worker carrying several answers is
+    /// lost; then each of its unfinished answers continues on a leg of its own.
+    legs: Vec<Leg>,
     tx: mpsc::Sender<Result<Update, RouterError>>,
     /// The error to end the client's stream with when it cannot be queued on `tx`.
     last_word: LastWord,
     record: RequestRecord,
     origin: Origin,
-    /// Answer 0's token ids sent to the client so far (a migrated leg continues after them).
-    sent: Vec<u32>,
+    /// Per answer: the token ids sent to the client so far (a migrated leg continues after
+    /// them).
+    sent: Vec<Vec<u32>>,
+    /// Per answer: its completion tokens once it ended.
+    completed: Vec<Option<u32>>,
+    /// The largest prompt-cache hit a leg reported.
+    cached_tokens: u32,
     migrations: u32,
-    /// Answer 0's finish reason, when it ended before the others (the record's outcome).
+    /// Answer 0's finish reason (the record's outcome).
     first_finish: Option<String>,
+    /// The leg polled first next time (so one busy leg cannot starve the others).
+    turn: usize,
 }
 
-/// What the relay loop waited for.
+/// What the relay loop waited for, and from which leg.
 enum Next {
-    Decode(Result<Option<pb::DecodeEvent>, tonic::Status>),
-    Prefill(Result<Prefilled, RouterError>),
+    Decode(usize, Result<Option<pb::DecodeEvent>, tonic::Status>),
+    Prefill(usize, Result<Prefilled, RouterError>),
     ClientGone,
 }
 
@@ -277,139 +314,209 @@ fn lost(m: &Result<Option<pb::DecodeEvent>, tonic::Status>) -> Option<&'static s
     }
 }
 
-impl RelayTask {
-    async fn next(&mut self) -> Next {
-        let Leg { events, prefill: task, .. } = &mut self.leg;
-        let prefill = async {
-            match task.as_mut() {
-                Some(task) => (&mut task.0).await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            m = events.message() => Next::Decode(m),
-            p = prefill => {
-                self.leg.prefill = None;
-                Next::Prefill(p.unwrap_or_else(|join| Err(RouterError::Worker { stage: "prefill", message: format!("prefill task: {join}") })))
-            }
-            _ = self.tx.closed() => Next::ClientGone,
+/// A leg's update with the leg's answer index replaced by the request's, and a finished
+/// answer's tokens counted from the request's start (`offset`: sent before this leg).
+fn to_request(update: Update, answers: &[u32], offset: usize) -> Update {
+    let global = |i: u32| answers.get(i as usize).copied().unwrap_or(i);
+    match update {
+        Update::Token { index, token_id, text, logprobs } => {
+            Update::Token { index: global(index), token_id, text, logprobs }
         }
+        Update::Finished { index, finish_reason, completion_tokens } => Update::Finished {
+            index: global(index),
+            finish_reason,
+            completion_tokens: completion_tokens + offset as u32,
+        },
+        done @ Update::Done { .. } => done,
+    }
+}
+
+impl RelayTask {
+    /// The next event of any leg (each leg's prefill first, then its stream), or the client
+    /// leaving.
+    async fn next(&mut self) -> Next {
+        let RelayTask { legs, tx, turn, .. } = self;
+        let closed = tx.closed();
+        tokio::pin!(closed);
+        let count = legs.len().max(1);
+        *turn = (*turn + 1) % count;
+        let first = *turn;
+        std::future::poll_fn(|cx| {
+            for k in 0..legs.len() {
+                let l = (first + k) % legs.len();
+                let leg = &mut legs[l];
+                if let Some(task) = leg.prefill.as_mut() {
+                    if let Poll::Ready(p) = Pin::new(&mut task.0).poll(cx) {
+                        leg.prefill = None;
+                        let p = p.unwrap_or_else(|join| {
+                            Err(RouterError::Worker { stage: "prefill", message: format!("prefill task: {join}") })
+                        });
+                        return Poll::Ready(Next::Prefill(l, p));
+                    }
+                }
+                if let Poll::Ready(m) = Pin::new(&mut leg.events).poll_next(cx) {
+                    return Poll::Ready(Next::Decode(l, m.transpose()));
+                }
+            }
+            match closed.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Next::ClientGone),
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await
     }
 
-    /// Runs until the generation ends, fails, or the client leaves (dropping `events` then
-    /// cancels the decode stream).
+    /// Runs until every answer ended, the generation fails, or the client leaves (dropping
+    /// the legs then cancels their decode streams).
     async fn run(mut self) {
         loop {
+            if self.legs.is_empty() {
+                let e =
+                    RouterError::Worker { stage: "decode", message: "no decode stream is left for an answer".into() };
+                let _ = self.tx.send(Err(e.clone())).await;
+                self.record.fail(&e);
+                return;
+            }
             let next = self.next().await;
-            if !self.leg.prefilled && matches!(next, Next::Prefill(_) | Next::Decode(Ok(Some(_)))) {
+            let l = match &next {
+                Next::Decode(l, _) | Next::Prefill(l, _) => *l,
+                Next::ClientGone => return,
+            };
+            let leg = &mut self.legs[l];
+            if !leg.prefilled && matches!(next, Next::Prefill(..) | Next::Decode(_, Ok(Some(_)))) {
                 // The first token exists (or the prefill failed): the prefill slot is free.
-                self.leg.prefilled = true;
-                self.leg.ticket.prefill_done();
+                leg.prefilled = true;
+                leg.ticket.prefill_done();
             }
             let relayed = match next {
                 Next::ClientGone => return,
-                Next::Prefill(Err(e)) => Relayed::Fail(e),
-                Next::Prefill(Ok(p)) => {
+                Next::Prefill(_, Err(e)) => Relayed::Fail(e),
+                Next::Prefill(_, Ok(p)) => {
                     self.record.prefill_worker = p.worker.clone();
                     self.record.prefilled(p.timings);
-                    match self.leg.relay.on_prefill_done(p.first_token, p.first_text, p.first_logprobs) {
+                    match self.legs[l].relay.on_prefill_done(p.first_token, p.first_text, p.first_logprobs) {
                         Some(update) => Relayed::Send(update),
                         None => Relayed::Skip,
                     }
                 }
-                Next::Decode(m) => match lost(&m) {
+                Next::Decode(_, m) => match lost(&m) {
                     Some(reason) => {
                         let cause = match &m {
                             Err(status) => status.message().to_string(),
                             _ => "the stream ended without finishing".to_string(),
                         };
-                        match self.migrate(reason, cause).await {
-                            Ok(None) => continue,
-                            Ok(Some(relayed)) => relayed,
+                        match self.migrate(l, reason, cause).await {
+                            Ok(ended) => {
+                                if !self.deliver_all(ended).await {
+                                    return;
+                                }
+                                continue;
+                            }
                             Err(e) => Relayed::Fail(e),
                         }
                     }
                     None => {
                         if let Ok(Some(pb::DecodeEvent { event: Some(Event::Finished(f)) })) = &m {
-                            if f.index == 0 {
+                            if self.legs[l].answers.get(f.index as usize) == Some(&0) {
                                 self.record_decode(f);
                             }
                         }
-                        let mut relayed = self.leg.relay.on_decode_event(m);
-                        if let Relayed::Finish(updates) = &mut relayed {
-                            // A migrated leg's prompt includes the tokens sent before it
-                            // (only one-answer requests migrate).
-                            let offset = self.leg.offset as u32;
-                            for u in updates {
-                                match u {
-                                    Update::Finished { completion_tokens, .. } => *completion_tokens += offset,
-                                    Update::Done { prompt_tokens, completion_tokens, .. } => {
-                                        *prompt_tokens = prompt_tokens.saturating_sub(offset);
-                                        *completion_tokens += offset;
-                                    }
-                                    Update::Token { .. } => {}
-                                }
-                            }
-                        }
-                        relayed
+                        self.legs[l].relay.on_decode_event(m)
                     }
                 },
             };
-            if !self.deliver(relayed).await {
+            let updates = match relayed {
+                Relayed::Skip => continue,
+                Relayed::Send(update) => {
+                    let leg = &self.legs[l];
+                    vec![to_request(update, &leg.answers, leg.offset)]
+                }
+                Relayed::Finish(updates) => {
+                    // This leg's answers all ended: its capacity goes back now.
+                    let mut leg = self.legs.swap_remove(l);
+                    self.await_prefill_record(&mut leg).await;
+                    updates.into_iter().map(|u| to_request(u, &leg.answers, leg.offset)).collect()
+                }
+                Relayed::Fail(e) => {
+                    let _ = self.tx.send(Err(e.clone())).await;
+                    self.record.fail(&e);
+                    return;
+                }
+            };
+            if !self.deliver_all(updates).await {
                 return;
             }
         }
     }
 
-    /// Continues the request on another decode worker after its current one was lost
-    /// (`reason` for the metric, `cause` for the error). None: the new leg runs; Some: what
-    /// to tell the client instead (the end, when every token had already gone out).
-    async fn migrate(&mut self, reason: &'static str, cause: String) -> Result<Option<Relayed>, RouterError> {
-        let from = self.leg.decode.clone();
+    /// Continues the answers of leg `l` on other decode workers after its worker was lost
+    /// (`reason` for the metric, `cause` for the error): each unfinished answer as a leg of
+    /// its own, its prompt followed by the tokens it sent, sampling with its own seed from
+    /// the next output position on. Returns the ends of answers that had sent every token
+    /// (only their end was lost).
+    async fn migrate(&mut self, l: usize, reason: &'static str, cause: String) -> Result<Vec<Update>, RouterError> {
+        let from = self.legs[l].decode.clone();
         let lost = format!("decode worker {from} was lost mid-stream ({cause})");
-        if self.origin.req.n > 1 {
-            // Its answers went different ways: each would need its own leg.
-            return Err(RouterError::Migration(format!("{lost}; a request for several answers (n) does not move")));
-        }
         if self.migrations >= MIGRATION_LIMIT {
             return Err(RouterError::Migration(format!("{lost}; the request already moved {MIGRATION_LIMIT} times")));
         }
         let scheduler = self.origin.scheduler.clone();
         scheduler.quarantine(&from, scheduler.config.quarantine);
         scheduler.pools.decode.forget(&from);
-        let (sent, total) = (self.sent.len(), self.origin.req.params.max_tokens);
-        if sent >= total {
-            // Every token went out; only the end was lost.
-            let end = Update::Finished { index: 0, finish_reason: "length".into(), completion_tokens: sent as u32 };
-            let done = Update::Done {
-                prompt_tokens: self.origin.req.prompt_tokens.len() as u32,
-                completion_tokens: sent as u32,
-                cached_tokens: self.record.cached_tokens(),
-            };
-            return Ok(Some(Relayed::Finish(vec![end, done])));
+        // The lost leg goes first: its prefill is aborted, its capacity released.
+        let leg = self.legs.swap_remove(l);
+        let open: Vec<u32> = leg.answers.iter().copied().filter(|&i| self.completed[i as usize].is_none()).collect();
+        drop(leg);
+        let total = self.origin.req.params.max_tokens;
+        let (mut ended, mut moving) = (Vec::new(), Vec::new());
+        for i in open {
+            let sent = self.sent[i as usize].len();
+            if sent >= total {
+                ended.push(Update::Finished {
+                    index: i,
+                    finish_reason: "length".into(),
+                    completion_tokens: sent as u32,
+                });
+            } else {
+                moving.push(i);
+            }
+        }
+        if moving.is_empty() {
+            return Ok(ended);
         }
         self.migrations += 1;
         self.record.metrics().migrations.with_label_values(&[reason]).inc();
+        let sent: usize = moving.iter().map(|&i| self.sent[i as usize].len()).sum();
         self.record.span().event(
             "request.migrate",
             vec![
                 KeyValue::new("pd.migrate.from", from.clone()),
                 KeyValue::new("pd.migrate.reason", reason),
                 KeyValue::new("pd.migrate.tokens_sent", sent as i64),
+                KeyValue::new("pd.migrate.answers", moving.len() as i64),
             ],
         );
-        tracing::warn!(request_id = %self.record.request_id, %from, reason, sent, "migrating to another decode worker");
-        let mut req = self.origin.req.clone();
-        req.prompt_tokens.extend_from_slice(&self.sent);
-        req.params.max_tokens = total - sent;
-        req.params.output_offset = sent;
+        tracing::warn!(request_id = %self.record.request_id, %from, reason, sent, answers = moving.len(), "migrating to another decode worker");
         let failed = |e: RouterError| RouterError::Migration(format!("{lost}; continuing elsewhere failed: {e}"));
-        let prompt = Arc::new(crate::schedule::Prompt::new(req.prompt_tokens.clone()));
-        let pending = scheduler.submit_migrated(&self.origin.class, prompt, req.params.max_tokens).map_err(failed)?;
-        let grant = pending.granted().await.map_err(failed)?;
-        let leg = open_leg(&self.origin, &req, &mut self.record, grant, sent).await.map_err(failed)?;
-        self.leg = leg; // the lost leg is dropped: its prefill aborted, its capacity released
-        Ok(None)
+        for i in moving {
+            let sent = &self.sent[i as usize];
+            let mut req = self.origin.req.clone();
+            req.prompt_tokens.extend_from_slice(sent);
+            req.params = self.origin.req.params.for_choice(i as usize);
+            req.params.max_tokens = total - sent.len();
+            req.params.output_offset = sent.len();
+            req.n = 1;
+            let offset = sent.len();
+            let prompt = Arc::new(crate::schedule::Prompt::new(req.prompt_tokens.clone()));
+            let pending =
+                scheduler.submit_migrated(&self.origin.class, prompt, req.params.max_tokens).map_err(failed)?;
+            let grant = pending.granted().await.map_err(failed)?;
+            let transfer = format!("{}-m{}a{i}", self.record.request_id, self.migrations);
+            let part = Part { answers: vec![i], offset, transfer };
+            let leg = open_leg(&self.origin, &req, &mut self.record, grant, part).await.map_err(failed)?;
+            self.legs.push(leg);
+        }
+        Ok(ended)
     }
 
     /// The decode worker's timings (and its prefill's, for a prompt prefilled there).
@@ -430,55 +537,65 @@ impl RelayTask {
         });
     }
 
-    /// Hands one outcome to the client; false when the relay is over.
-    async fn deliver(&mut self, relayed: Relayed) -> bool {
-        match relayed {
-            Relayed::Skip => true,
-            Relayed::Send(update) => {
-                match &update {
-                    Update::Token { index, token_id, text, .. } => {
-                        if *index == 0 {
-                            self.sent.push(*token_id);
-                        }
-                        self.record.token(text);
+    /// Hands a leg's updates (in the request's answer indexes) to the client, and the end once
+    /// every answer ended; false when the relay is over.
+    async fn deliver_all(&mut self, updates: Vec<Update>) -> bool {
+        for update in updates {
+            match &update {
+                Update::Token { index, token_id, text, .. } => {
+                    if let Some(sent) = self.sent.get_mut(*index as usize) {
+                        sent.push(*token_id);
                     }
-                    Update::Finished { index: 0, finish_reason, .. } => self.first_finish = Some(finish_reason.clone()),
-                    _ => {}
+                    self.record.token(text);
                 }
-                let timeout = self.origin.scheduler.config.client_send_timeout;
-                match tokio::time::timeout(timeout, self.tx.send(Ok(update))).await {
-                    Ok(sent) => sent.is_ok(),
-                    Err(_) => {
-                        let e = RouterError::ClientTooSlow(format!(
-                            "the client took no event for {} ms; the request was ended",
-                            timeout.as_millis()
-                        ));
-                        tracing::warn!(request_id = %self.record.request_id, "{e}");
-                        self.record.fail(&e);
-                        self.last_word.set(e);
-                        false
+                Update::Finished { index, finish_reason, completion_tokens } => {
+                    if let Some(slot) = self.completed.get_mut(*index as usize) {
+                        *slot = Some(*completion_tokens);
                     }
+                    if *index == 0 {
+                        self.first_finish = Some(finish_reason.clone());
+                    }
+                }
+                Update::Done { cached_tokens, .. } => {
+                    // The request's own end follows once every leg ended.
+                    self.cached_tokens = self.cached_tokens.max(*cached_tokens);
+                    continue;
                 }
             }
-            Relayed::Finish(updates) => {
-                self.await_prefill_record().await;
-                let mut reason = self.first_finish.take().unwrap_or_default();
-                for mut update in updates {
-                    match &mut update {
-                        Update::Done { cached_tokens, .. } => {
-                            *cached_tokens = (*cached_tokens).max(self.record.cached_tokens())
-                        }
-                        Update::Finished { index: 0, finish_reason, .. } => reason = finish_reason.clone(),
-                        _ => {}
-                    }
-                    let _ = self.tx.send(Ok(update)).await;
-                }
-                self.record.finish(&reason);
-                false
+            if !self.send(update).await {
+                return false;
             }
-            Relayed::Fail(e) => {
-                let _ = self.tx.send(Err(e.clone())).await;
+        }
+        if self.completed.iter().any(Option::is_none) {
+            return true;
+        }
+        let prompt_tokens = self.origin.req.prompt_tokens.len() as u32;
+        let done = Update::Done {
+            prompt_tokens,
+            completion_tokens: self.completed.iter().flatten().sum(),
+            // A migrated leg's prompt holds the answer's earlier tokens: the hit counts the
+            // request's prompt only.
+            cached_tokens: self.cached_tokens.max(self.record.cached_tokens()).min(prompt_tokens),
+        };
+        let _ = self.tx.send(Ok(done)).await;
+        let reason = self.first_finish.take().unwrap_or_default();
+        self.record.finish(&reason);
+        false
+    }
+
+    /// Queues one update for the client, ending the request when the client stopped reading.
+    async fn send(&mut self, update: Update) -> bool {
+        let timeout = self.origin.scheduler.config.client_send_timeout;
+        match tokio::time::timeout(timeout, self.tx.send(Ok(update))).await {
+            Ok(sent) => sent.is_ok(),
+            Err(_) => {
+                let e = RouterError::ClientTooSlow(format!(
+                    "the client took no event for {} ms; the request was ended",
+                    timeout.as_millis()
+                ));
+                tracing::warn!(request_id = %self.record.request_id, "{e}");
                 self.record.fail(&e);
+                self.last_word.set(e);
                 false
             }
         }
@@ -486,8 +603,8 @@ impl RelayTask {
 
     /// The prefill response normally arrives long before the last token; waits briefly for
     /// it so the record carries the prefill worker's timings.
-    async fn await_prefill_record(&mut self) {
-        if let Some(task) = self.leg.prefill.as_mut() {
+    async fn await_prefill_record(&mut self, leg: &mut Leg) {
+        if let Some(task) = leg.prefill.as_mut() {
             if let Ok(Ok(Ok(p))) = tokio::time::timeout(Duration::from_millis(200), &mut task.0).await {
                 self.record.prefill_worker = p.worker;
                 self.record.prefilled(p.timings);

@@ -140,6 +140,35 @@ async fn colocated_answers_and_a_batch_too_small_for_them() {
     let body = |n: u32| json!({ "messages": [{ "role": "user", "content": QUESTION }], "max_tokens": 10, "temperature": 0, "n": n });
     let expected = engine_answer(QUESTION, 10);
     assert_eq!(contents(&chat(&cluster, body(3)).await), vec![expected; 3], "prefilled on the decode worker");
+    // The prompt runs once: while the answers stream, the worker holds the prompt's blocks
+    // once plus each other answer's own tail, not three copies of the prompt.
+    let max_tokens = 40;
+    let body3 = json!({ "prompt": QUESTION.repeat(6), "max_tokens": max_tokens, "temperature": 0, "n": 3,
+                        "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true} });
+    let r = reqwest::Client::new().post(cluster.url("/v1/completions")).json(&body3).send().await.expect("request");
+    assert_eq!(r.status().as_u16(), 200);
+    let mut stream = r.bytes_stream();
+    let mut sse = String::from_utf8_lossy(&stream.next().await.expect("chunk").expect("bytes")).to_string();
+    let load = cluster.decode_load().await;
+    let used = (load.total_blocks - load.free_blocks) as usize;
+    while let Some(chunk) = stream.next().await {
+        sse.push_str(&String::from_utf8_lossy(&chunk.expect("bytes")));
+    }
+    let mut texts = vec![String::new(); 3];
+    let mut prompt_tokens = 0;
+    for data in sse.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|d| *d != "[DONE]") {
+        let v: Value = serde_json::from_str(data).expect("chunk json");
+        for c in v["choices"].as_array().into_iter().flatten() {
+            texts[c["index"].as_u64().expect("index") as usize].push_str(c["text"].as_str().unwrap_or_default());
+        }
+        prompt_tokens = prompt_tokens.max(v["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize);
+    }
+    assert!(texts.iter().all(|t| *t == texts[0] && !t.is_empty()), "greedy answers agree: {texts:?}");
+    let bs = load.block_size as usize;
+    let whole = (prompt_tokens + max_tokens).div_ceil(bs);
+    let own = whole - (prompt_tokens - 1) / bs;
+    assert!(prompt_tokens > 4 * bs, "a prompt of several blocks ({prompt_tokens} tokens)");
+    assert!(used <= whole + 2 * own, "{used} blocks used; one prompt and two tails are {}", whole + 2 * own);
     let r =
         reqwest::Client::new().post(cluster.url("/v1/chat/completions")).json(&body(4)).send().await.expect("request");
     assert_eq!(r.status().as_u16(), 400);

@@ -233,3 +233,104 @@ async fn a_killed_decode_workers_stream_continues_on_another_with_the_same_token
         .sum();
     assert_eq!(migrations, 3.0, "each loss counted once:\n{metrics}");
 }
+
+/// Streams a request for several answers over gRPC; kills the serving decode worker once
+/// `kill_after` tokens (of all answers) arrived, if given. Returns each answer's tokens (id
+/// and log probability), its completion tokens, and the final message.
+async fn generate_answers(
+    cluster: &mut Cluster,
+    request: pb::GenerateRequest,
+    kill_after: Option<usize>,
+) -> (Vec<Vec<(u32, f32)>>, Vec<Option<u32>>, Option<pb::GenerationDone>) {
+    let n = request.n as usize;
+    let mut client =
+        pb::generation_client::GenerationClient::connect(format!("http://{}", cluster.grpc)).await.expect("grpc");
+    let mut stream = client.generate(request).await.expect("generate").into_inner();
+    let (mut tokens, mut ended, mut done) = (vec![Vec::new(); n], vec![None; n], None);
+    let (mut count, mut killed) = (0, false);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while let Some(message) =
+        tokio::time::timeout_at(deadline.into(), stream.message()).await.expect("no hang").expect("stream")
+    {
+        match message.message {
+            Some(pb::generate_response::Message::Token(t)) => {
+                assert!(ended[t.index as usize].is_none(), "a token of answer {} after its end", t.index);
+                let logprob = t.logprobs.map_or(f32::NAN, |l| l.logprob);
+                tokens[t.index as usize].push((t.token_id, logprob));
+                count += 1;
+            }
+            Some(pb::generate_response::Message::ChoiceDone(c)) => {
+                assert!(
+                    ended[c.index as usize].replace(c.completion_tokens).is_none(),
+                    "answer {} ended twice",
+                    c.index
+                );
+            }
+            Some(pb::generate_response::Message::Done(d)) => done = Some(d),
+            None => {}
+        }
+        if !killed && Some(count) == kill_after {
+            kill_serving_decode(cluster).await;
+            killed = true;
+        }
+    }
+    assert!(kill_after.is_none() || killed, "a decode worker was killed");
+    (tokens, ended, done)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_answers_continue_each_on_its_own_leg_with_the_same_tokens() {
+    let _guard = ONE_AT_A_TIME.lock().await;
+    let router_args = vec!["--quarantine-ms".into(), "300".into()];
+    let options = Options { prefill: 1, extra_decode: 1, router_args, ..Options::default() };
+    let mut cluster = Cluster::start_with(options).await;
+    let request = pb::GenerateRequest {
+        prompt: "Once upon a time, in a town by the sea,".into(),
+        n: 3,
+        sampling: Some(pb::SamplingParams {
+            temperature: 0.8,
+            top_p: 0.95,
+            logprobs: true,
+            seed: Some(99),
+            max_tokens: 60,
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let (expected, ended, done) = generate_answers(&mut cluster, request.clone(), None).await;
+    assert!(expected.iter().all(|t| t.len() == 60), "the undisturbed run: {expected:?}");
+    let ids = |tokens: &[(u32, f32)]| tokens.iter().map(|t| t.0).collect::<Vec<_>>();
+    assert_eq!(ended, vec![Some(60); 3]);
+    assert_ne!(ids(&expected[0]), ids(&expected[1]), "each answer samples with its own seed");
+    assert_eq!(done.map(|d| d.completion_tokens), Some(180));
+    // Killed once about a sixth of the tokens arrived: every answer moves, each its own way.
+    let (got, ended, done) = generate_answers(&mut cluster, request, Some(30)).await;
+    // A migrated leg's KV comes from a prefill of the tokens sent, not from the decode steps
+    // that made them: its logits differ in the last bits (about 1e-4 in a log probability),
+    // which can move a draw that landed at the edge of an unlikely token. So each answer
+    // agrees token for token up to where one of the two runs drew a token below 1%, and
+    // keeps its length; together the answers agree well past the kill (30 tokens).
+    let mut agreed = 0;
+    for (i, (got, expected)) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(got.len(), 60, "answer {i}'s length");
+        let Some(m) = got.iter().zip(expected).position(|(g, e)| g.0 != e.0) else {
+            agreed += 60;
+            continue;
+        };
+        let unlikely = got[m].1.min(expected[m].1) < 0.01f32.ln();
+        assert!(unlikely, "answer {i} after its decode worker died, from token {m}:\n{got:?}\n{expected:?}");
+        agreed += m;
+    }
+    assert!(agreed >= 90, "the answers agreed on {agreed} tokens, 30 of them before the kill");
+    assert_eq!(ended, vec![Some(60); 3], "each answer's own count, from the request's start");
+    let done = done.expect("the request finished");
+    assert_eq!((done.completion_tokens, done.prompt_tokens > 0), (180, true), "{done:?}");
+    let metrics = Cluster::scrape(&cluster.http).await;
+    let migrations: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("pd_migrations_total{"))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum();
+    assert_eq!(migrations, 1.0, "one loss, one migration of three answers:\n{metrics}");
+}

@@ -56,6 +56,7 @@ impl Fixture {
             events,
             span: StageSpan::start("decode.generate", &Context::new()),
             labels: StageLabels::new(&RequestClass::default_class(), prompt_tokens),
+            forks: Vec::new(),
         };
         (a, rx)
     }
@@ -74,7 +75,10 @@ impl Fixture {
             data[row * VOCAB + t as usize] = 10.0;
         }
         let logits = Tensor::from_vec(data, (tokens.len(), VOCAB), &Device::Cpu).expect("logits");
-        state.apply_logits(&takes, &logits, Instant::now(), &self.tokenizer, &self.metrics);
+        // Without a KV cache a fork takes its own blocks only (the state is what is tested).
+        let fork = |_: &SequenceKv, _: usize, own: pd_engine::BlockAllocation| Ok(SequenceKv::new(own));
+        let with = StepTools { tokenizer: &self.tokenizer, metrics: &self.metrics, fork: &fork };
+        state.apply_logits(&takes, &logits, Instant::now(), with);
         takes
     }
 }
@@ -224,4 +228,43 @@ fn policies_parse_and_bad_ones_are_named() {
         let err = bad.parse::<PrefillPolicy>().expect_err(bad);
         assert!(err.contains(bad), "{err}");
     }
+}
+
+#[test]
+fn a_prompt_run_here_lets_its_forks_join_once_complete_and_they_recompute_only_its_last_position() {
+    let f = Fixture::new();
+    let mut state = chunked(4);
+    let (mut a, mut rx) = f.admission(Begin::Prompt(vec![1, 2, 3, 4, 5, 6]), 2);
+    let fork = |index: u32| Fork {
+        index,
+        own: f.blocks.allocate(1).expect("blocks"),
+        params: SamplingParams::greedy(2),
+        span: StageSpan::start("decode.generate", &Context::new()),
+    };
+    a.forks = vec![fork(1), fork(2)];
+    state.admit(a, &f.tokenizer, &f.metrics);
+    assert_eq!(state.room(), 8 - 3, "the waiting answers hold their places");
+    assert_eq!(state.inputs(&state.plan()), vec![vec![1, 2, 3, 4]], "the prompt runs once, in chunks");
+    f.step(&mut state, &[]);
+    assert_eq!(state.len(), 1, "the forks wait for the whole prompt");
+    assert_eq!(state.inputs(&state.plan()), vec![vec![5, 6]]);
+    f.step(&mut state, &[7]);
+    assert_eq!(state.len(), 3, "the complete prompt let both forks join");
+    assert_eq!(state.inputs(&state.plan()), vec![vec![7], vec![6], vec![6]], "each fork recomputes position 5 only");
+    f.step(&mut state, &[8, 9, 10]);
+    f.step(&mut state, &[11, 12]);
+    let mut indexes = Vec::new();
+    let mut finished = 0;
+    while let Ok(e) = rx.try_recv() {
+        match e.expect("event").event {
+            Some(Ev::Token(t)) => indexes.push(t.index),
+            Some(Ev::Finished(_)) => finished += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(finished, 3, "every answer ends");
+    assert_eq!(indexes.iter().filter(|&&i| i == 0).count(), 2);
+    assert_eq!(indexes.iter().filter(|&&i| i == 2).count(), 2, "{indexes:?}");
+    assert!(state.is_empty());
+    assert_eq!(f.blocks.free_blocks(), f.blocks.total_blocks(), "every block is free");
 }
