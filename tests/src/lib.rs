@@ -109,6 +109,39 @@ pub struct Options {
     /// The checkpoint every process serves (a GGUF file or a Hugging Face folder); unset: the
     /// real model (`model_path`).
     pub model: Option<PathBuf>,
+    /// Keep the router's built-in traffic classes. Unset, and with no `--classes` among
+    /// `router_args`, the router gets `relaxed_classes` instead (see there).
+    pub builtin_classes: bool,
+}
+
+/// The built-in traffic classes (deploy/classes/default.toml) with the interactive class's
+/// TTFT SLO, queue age and ITL SLO made loose, written to `dir`: what a test cluster's router
+/// runs with unless the test chooses. Admission sheds load by the prefill and decode rates it
+/// measures, and on a shared 2-core machine, with other tests' clusters running beside this
+/// one, those rates drop far enough that a test about something else (batching, a client
+/// library, a migration) gets a 429, or sees its streams held back from the batch, at load
+/// the shipped limits were never meant to refuse. Admission itself is tested in the router's
+/// unit tests (schedule::policy) against rates the test sets.
+pub fn relaxed_classes(dir: &std::path::Path) -> PathBuf {
+    let built_in = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/classes/default.toml"))
+        .expect("the built-in classes");
+    let mut relaxed = built_in.clone();
+    let loose = [
+        ("ttft_slo_ms = 1500\n", "ttft_slo_ms = 120000\n"),
+        ("itl_slo_ms = 100\n", "itl_slo_ms = 10000\n"),
+        ("max_queue_age_ms = 3000\n", "max_queue_age_ms = 120000\n"),
+    ];
+    for (shipped, loose) in loose {
+        assert_eq!(
+            built_in.matches(shipped).count(),
+            1,
+            "the built-in classes no longer say `{shipped}`: update relaxed_classes"
+        );
+        relaxed = relaxed.replace(shipped, loose);
+    }
+    let path = dir.join("classes.toml");
+    std::fs::write(&path, relaxed).expect("write the relaxed classes");
+    path
 }
 
 impl Options {
@@ -251,6 +284,8 @@ pub struct Cluster {
     pub decode_metrics: String,
     pub prefill_metrics: Vec<String>,
     logs: Option<tempfile::TempDir>,
+    /// Holds the router's classes file (`relaxed_classes`) while the cluster runs.
+    _config: tempfile::TempDir,
     options: Options,
 }
 
@@ -263,7 +298,12 @@ impl Cluster {
         Self::start_with(Options { prefill, ..Options::default() }).await
     }
 
-    pub async fn start_with(options: Options) -> Cluster {
+    pub async fn start_with(mut options: Options) -> Cluster {
+        let config = tempfile::tempdir().expect("config folder");
+        if !options.builtin_classes && !options.router_args.iter().any(|a| a == "--classes") {
+            let classes = relaxed_classes(config.path());
+            options.router_args.extend(["--classes".to_string(), classes.display().to_string()]);
+        }
         let logs = options.capture_logs.then(|| tempfile::tempdir().expect("log folder"));
         let log = |name: &str| logs.as_ref().map(|d| d.path().join(format!("{name}.log")));
         let mut decodes = Vec::new();
@@ -301,6 +341,7 @@ impl Cluster {
             decode_metrics,
             prefill_metrics,
             logs,
+            _config: config,
             options,
         };
         cluster.wait_ready().await;

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
 
-use pd_tests::{model_path, Cluster, Options};
+use pd_tests::{model_path, Cluster};
 use serde_json::Value;
 
 fn binary(name: &str) -> std::path::PathBuf {
@@ -16,19 +16,10 @@ fn binary(name: &str) -> std::path::PathBuf {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pd_bench_writes_a_consistent_report() {
-    // Under test is the report's consistency, not admission: relaxed interactive limits, so a
-    // busy machine's slow prefill does not turn smoke requests into 429s.
-    let config = tempfile::tempdir().expect("config dir");
-    let classes = config.path().join("classes.toml");
-    let built_in = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/classes/default.toml"))
-        .expect("the built-in classes");
-    let relaxed = built_in
-        .replace("ttft_slo_ms = 1500", "ttft_slo_ms = 120000")
-        .replace("max_queue_age_ms = 3000", "max_queue_age_ms = 120000");
-    assert_ne!(relaxed, built_in, "the built-in interactive limits changed: update this test");
-    std::fs::write(&classes, relaxed).expect("write classes");
-    let router_args = vec!["--classes".to_string(), classes.display().to_string()];
-    let cluster = Cluster::start_with(Options { prefill: 1, router_args, ..Options::default() }).await;
+    // Under test is the report's consistency, not admission: the test cluster's relaxed
+    // classes (pd_tests::relaxed_classes), so a busy machine's slow prefill does not turn
+    // smoke requests into 429s.
+    let cluster = Cluster::start(1).await;
     let out = tempfile::tempdir().expect("out dir");
     let scenario = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/scenarios/smoke.txt");
     let run = Command::new(binary("pd-bench"))
