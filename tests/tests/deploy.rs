@@ -5,7 +5,9 @@
 //! names; the router's worker lists name the headless services of the worker pools; and the
 //! metrics the autoscalers query are ones the binaries export; where internal TLS is on
 //! (overlays/gpu), every pd container reads its three PEM files from a mounted secret that a
-//! cert-manager Certificate for the name the binaries verify (`pd.internal`) fills.
+//! cert-manager Certificate for the name the binaries verify (`pd.internal`) fills; each
+//! overlay runs its own image (a CUDA build wherever a container asks for CUDA); and every pod
+//! a NetworkPolicy guards or admits carries the labels it selects.
 //!
 //! Needs kubectl and kubernetes-validate (scripts/install-k8s-tools.sh).
 
@@ -18,6 +20,12 @@ use serde_json::Value;
 
 const OVERLAYS: [&str; 3] = ["cpu-dev", "gpu", "gpu-rdma"];
 const KUBERNETES_VERSION: &str = "1.32.0";
+/// The pd image each overlay deploys.
+const IMAGES: [(&str, &str); 3] = [
+    ("cpu-dev", "ghcr.io/pd-serving/pd:cpu-0.1.0"),
+    ("gpu", "ghcr.io/pd-serving/pd:cuda-0.1.0"),
+    ("gpu-rdma", "ghcr.io/pd-serving/pd:cuda-ucx-0.1.0"),
+];
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -320,6 +328,43 @@ async fn manifests_agree_with_the_binaries() {
             let labels = &find(&objects, "Deployment", &worker.deployment)["spec"]["template"]["metadata"]["labels"];
             for (k, v) in service["spec"]["selector"].as_object().expect("selector") {
                 assert_eq!(&labels[k], v, "{overlay}: {host} selects the {pool} pods");
+            }
+        }
+        // 7. The image each pd container runs: the overlay's own (a base `images:` entry
+        //    renames `pd` first, so an overlay must match the renamed image), and a CUDA build
+        //    wherever a container asks for a CUDA device.
+        let expected = IMAGES.iter().find(|(o, _)| *o == overlay).map(|(_, image)| *image).expect("overlay image");
+        for c in &containers {
+            let image = c.container["image"].as_str().expect("image");
+            assert_eq!(image, expected, "{overlay}/{}: image", c.deployment);
+            if c.args.iter().any(|a| a.starts_with("--device=cuda")) {
+                assert!(image.contains(":cuda"), "{overlay}/{}: --device=cuda on {image}", c.deployment);
+            }
+        }
+        // 8. Every pod a NetworkPolicy names (the pods it guards, the pods it admits) exists:
+        //    a selector on a label no pod template carries admits nothing.
+        let pods: Vec<&Value> = objects
+            .iter()
+            .filter(|o| o["kind"] == "Deployment")
+            .map(|d| &d["spec"]["template"]["metadata"]["labels"])
+            .collect();
+        let selects = |selector: &Value| {
+            let wanted = selector["matchLabels"].as_object().expect("matchLabels");
+            pods.iter().any(|labels| wanted.iter().all(|(k, v)| &labels[k] == v))
+        };
+        for policy in objects.iter().filter(|o| o["kind"] == "NetworkPolicy") {
+            let name = policy["metadata"]["name"].as_str().unwrap_or_default();
+            assert!(selects(&policy["spec"]["podSelector"]), "{overlay}: NetworkPolicy {name} guards no pod");
+            for rule in policy["spec"]["ingress"].as_array().into_iter().flatten() {
+                for from in rule["from"].as_array().into_iter().flatten() {
+                    if from["podSelector"].is_object() && from["namespaceSelector"].is_null() {
+                        assert!(
+                            selects(&from["podSelector"]),
+                            "{overlay}: NetworkPolicy {name} admits {}, which no pod template carries",
+                            from["podSelector"]
+                        );
+                    }
+                }
             }
         }
         // 6. Autoscalers: one per pool, on metrics that pool's binary exports.
