@@ -414,3 +414,25 @@ async fn manifests_agree_with_the_binaries() {
         }
     }
 }
+
+/// The images build with the toolchains the repository builds with: the workspace's
+/// `rust-version`, and the CUDA major version of scripts/install-cuda-toolkit.sh.
+#[test]
+fn images_build_with_the_repositorys_toolchains() {
+    let read = |path: &str| std::fs::read_to_string(repo().join(path)).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let manifest = read("Cargo.toml");
+    let rust = manifest
+        .lines()
+        .find_map(|l| l.strip_prefix("rust-version = \""))
+        .and_then(|v| v.strip_suffix('"'))
+        .expect("rust-version in Cargo.toml");
+    let (cpu, cuda) = (read("deploy/docker/Dockerfile"), read("deploy/docker/Dockerfile.cuda"));
+    assert!(cpu.contains(&format!("FROM rust:{rust}-")), "deploy/docker/Dockerfile: not Rust {rust}");
+    assert!(cuda.contains(&format!("--default-toolchain {rust}.0")), "Dockerfile.cuda: not Rust {rust}");
+    let major = |text: &str, prefix: &str| {
+        text.lines().find_map(|l| l.trim().strip_prefix(prefix)).and_then(|v| v.split('.').next()).map(str::to_string)
+    };
+    let toolkit = major(&read("scripts/install-cuda-toolkit.sh"), "nvidia-cuda-nvcc==").expect("nvcc version");
+    let image = major(&cuda, "ARG CUDA_VERSION=").expect("CUDA_VERSION in Dockerfile.cuda");
+    assert_eq!(image, toolkit, "Dockerfile.cuda's CUDA major version");
+}
