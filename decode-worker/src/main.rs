@@ -1,5 +1,6 @@
 //! pd-decode: flags -> Config -> `pd_decode::run`.
 
+use anyhow::Context;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -131,8 +132,12 @@ fn config(args: &Args) -> anyhow::Result<pd_decode::Config> {
 
 async fn serve(args: Args, config: pd_decode::Config) -> anyhow::Result<()> {
     let telemetry = pd_telemetry::init("pd-decode", args.log_format, "decode", &pd_telemetry::instance_name());
-    let listener = tokio::net::TcpListener::bind(&args.listen).await?;
-    let http = tokio::net::TcpListener::bind(&args.metrics_listen).await?;
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .with_context(|| format!("--listen {}: cannot listen there", args.listen))?;
+    let http = tokio::net::TcpListener::bind(&args.metrics_listen)
+        .await
+        .with_context(|| format!("--metrics-listen {}: cannot listen there", args.metrics_listen))?;
     // The lines launchers and tests wait for.
     println!("pd-decode metrics on {}", http.local_addr()?);
     println!("pd-decode listening on {}", listener.local_addr()?);

@@ -1,5 +1,6 @@
 //! pd-prefill: flags -> Config -> `pd_prefill::run`.
 
+use anyhow::Context;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -91,8 +92,12 @@ fn config(args: &Args) -> anyhow::Result<pd_prefill::Config> {
 
 async fn serve(args: Args, config: pd_prefill::Config) -> anyhow::Result<()> {
     let telemetry = pd_telemetry::init("pd-prefill", args.log_format, "prefill", &pd_telemetry::instance_name());
-    let listener = tokio::net::TcpListener::bind(&args.listen).await?;
-    let http = tokio::net::TcpListener::bind(&args.metrics_listen).await?;
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .with_context(|| format!("--listen {}: cannot listen there", args.listen))?;
+    let http = tokio::net::TcpListener::bind(&args.metrics_listen)
+        .await
+        .with_context(|| format!("--metrics-listen {}: cannot listen there", args.metrics_listen))?;
     // The lines launchers and tests wait for.
     println!("pd-prefill metrics on {}", http.local_addr()?);
     println!("pd-prefill listening on {}", listener.local_addr()?);

@@ -1,5 +1,6 @@
 //! pd-router: flags -> Config -> `pd_router::run`.
 
+use anyhow::Context;
 use std::path::PathBuf;
 
 use clap::Parser;
@@ -151,8 +152,12 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let telemetry = pd_telemetry::init("pd-router", args.log_format, "router", &pd_telemetry::instance_name());
-    let http = tokio::net::TcpListener::bind(&args.http_listen).await?;
-    let grpc = tokio::net::TcpListener::bind(&args.grpc_listen).await?;
+    let http = tokio::net::TcpListener::bind(&args.http_listen)
+        .await
+        .with_context(|| format!("--http-listen {}: cannot listen there", args.http_listen))?;
+    let grpc = tokio::net::TcpListener::bind(&args.grpc_listen)
+        .await
+        .with_context(|| format!("--grpc-listen {}: cannot listen there", args.grpc_listen))?;
     println!("pd-router http on {} grpc on {}", http.local_addr()?, grpc.local_addr()?);
     let result = pd_router::run(config, http, grpc, pd_telemetry::shutdown_signal()).await;
     if let Err(e) = &result {
