@@ -1,4 +1,4 @@
-//! Why a transfer failed. Each variant is one check of DESIGN.md's list; `kind()` is the
+//! Why a transfer failed. Each variant is one check of docs/design.md's list; `kind()` is the
 //! stable label sent on the wire and used in metrics; `to_status()` is the one mapping to gRPC.
 
 /// A failed or refused transfer.

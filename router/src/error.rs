@@ -62,6 +62,24 @@ impl RouterError {
         RouterError::InvalidRequest { message: message.into(), param: Some(param.to_string()) }
     }
 
+    /// Every `reason` (`pd_requests_rejected_total`'s label values).
+    pub const REASONS: [&'static str; 14] = [
+        "invalid_request",
+        "model_not_found",
+        "too_large",
+        "unsupported_media_type",
+        "unprocessable",
+        "over_class_limit",
+        "overloaded",
+        "no_worker",
+        "queue_stalled",
+        "worker_failed",
+        "migration_failed",
+        "unauthorized",
+        "forbidden",
+        "client_too_slow",
+    ];
+
     /// The `reason` label of `pd_requests_rejected_total` and the record's outcome detail.
     pub fn reason(&self) -> &'static str {
         match self {
@@ -236,7 +254,20 @@ mod tests {
                 Code::Unavailable,
                 "migration_failed",
             ),
+            (
+                RouterError::ClientTooSlow("x".into()),
+                StatusCode::REQUEST_TIMEOUT,
+                Code::DeadlineExceeded,
+                "client_too_slow",
+            ),
         ];
+        // One case per variant, and REASONS (the metric's initialized label values) lists
+        // exactly their reasons.
+        let mut reasons: Vec<&str> = cases.iter().map(|c| c.3).collect();
+        reasons.sort_unstable();
+        let mut listed = RouterError::REASONS.to_vec();
+        listed.sort_unstable();
+        assert_eq!(reasons, listed);
         for (error, http, grpc, reason) in cases {
             assert_eq!(
                 (error.http_status(), error.to_status().code(), error.reason()),

@@ -95,6 +95,14 @@ pub async fn run(
     };
     let metrics = Arc::new(pd_telemetry::Metrics::new());
     let router_metrics = RouterMetrics::register(&metrics);
+    // Every label set of the failure counters exists from the start, at 0: an alert on their
+    // rate (or on a series being absent) can be written before the first failure.
+    for reason in lifecycle::MIGRATION_REASONS {
+        router_metrics.migrations.with_label_values(&[reason]);
+    }
+    for reason in error::RouterError::REASONS {
+        router_metrics.rejected.with_label_values(&[reason]);
+    }
     let tls = config.tls.as_ref().map(|t| t.client()).transpose().map_err(anyhow::Error::msg)?;
     let pools = Arc::new(workers::Pools {
         decode: workers::Pool::new("decode", config.decode_workers.clone(), tls.clone()),

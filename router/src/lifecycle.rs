@@ -1,4 +1,4 @@
-//! One request through the cluster (DESIGN.md's lifecycle), as stages: the scheduler's queue
+//! One request through the cluster (docs/design.md's lifecycle), as stages: the scheduler's queue
 //! (`schedule`: admitted or refused, then granted workers), `route` (the grant as clients),
 //! `open_decode` (the decode worker reserves KV and opens the token stream; its
 //! first message is the KV target), the prefill on a prefill worker with that target
@@ -303,16 +303,21 @@ enum Next {
 /// the request itself (invalid, out of capacity) are not.
 fn lost(m: &Result<Option<pb::DecodeEvent>, tonic::Status>) -> Option<&'static str> {
     use tonic::Code;
+    let [ended, unavailable, broken] = MIGRATION_REASONS;
     match m {
-        Ok(None) => Some("stream_ended"),
+        Ok(None) => Some(ended),
         Err(s) => match s.code() {
-            Code::Unavailable => Some("unavailable"),
-            Code::Unknown | Code::Internal | Code::Aborted | Code::Cancelled | Code::DataLoss => Some("stream_broken"),
+            Code::Unavailable => Some(unavailable),
+            Code::Unknown | Code::Internal | Code::Aborted | Code::Cancelled | Code::DataLoss => Some(broken),
             _ => None,
         },
         Ok(Some(_)) => None,
     }
 }
+
+/// The `reason` labels of `pd_migrations_total` (`lost`): the decode stream ended without
+/// finishing, the worker became unreachable, or the stream broke.
+pub const MIGRATION_REASONS: [&str; 3] = ["stream_ended", "unavailable", "stream_broken"];
 
 /// A leg's update with the leg's answer index replaced by the request's, and a finished
 /// answer's tokens counted from the request's start (`offset`: sent before this leg).

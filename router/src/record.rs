@@ -1,6 +1,6 @@
 //! One request's account at the router: its root span (`router.request`), the client-side
 //! latency metrics (TTFT, every inter-token gap, e2e) and the structured record logged when
-//! it ends (DESIGN.md's fields). Worker timings come from the workers themselves: queue and
+//! it ends (docs/design.md's fields). Worker timings come from the workers themselves: queue and
 //! prefill time from the prefill worker's response, KV transfer and decode time from the
 //! decode worker's `Finished` event; nothing here is derived by subtraction.
 //!

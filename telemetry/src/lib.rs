@@ -5,7 +5,7 @@
 //!   is set (nothing connects otherwise), W3C trace context carried in gRPC metadata and in
 //!   plain string maps (the KV transfer header), and `StageSpan`, one span per request stage
 //!   with the start and end times measured where the stage happens.
-//! - `metrics`: the Prometheus registry, DESIGN.md's metric names, latency buckets from
+//! - `metrics`: the Prometheus registry, docs/design.md's metric names, latency buckets from
 //!   milliseconds to minutes, traffic class and input-length bucket labels.
 //! - `http`: `/metrics`, `/health` and `/ready` for processes that have no HTTP server of
 //!   their own (the workers speak gRPC).

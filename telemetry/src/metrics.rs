@@ -1,4 +1,4 @@
-//! Prometheus metrics with DESIGN.md's names and vLLM's meanings, one registry per process.
+//! Prometheus metrics with docs/design.md's names and vLLM's meanings, one registry per process.
 //!
 //! Each process registers only what it measures (`RouterMetrics`, `PrefillMetrics`,
 //! `DecodeMetrics`), so a gauge that drives autoscaling never shows a misleading zero from a
@@ -17,7 +17,7 @@ use prometheus::{
 pub const LATENCY_BUCKETS: &[f64] =
     &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
 
-/// Metric names (DESIGN.md, Observability). Autoscalers and dashboards use these.
+/// Metric names (docs/design.md, Observability). Autoscalers and dashboards use these.
 pub mod names {
     pub const TTFT: &str = "pd_time_to_first_token_seconds";
     pub const ITL: &str = "pd_inter_token_latency_seconds";

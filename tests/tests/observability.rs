@@ -230,6 +230,11 @@ async fn one_request_is_one_trace_with_metrics_and_a_record() {
     assert_eq!(sample(&router, &format!("pd_e2e_request_latency_seconds_count{{{labels}}}")), 1.0);
     assert_eq!(sample(&router, &format!("pd_time_to_first_token_seconds_bucket{{{labels},le=\"+Inf\"}}")), 1.0);
     assert_eq!(sample(&router, "pd_requests_total{class=\"batch\",outcome=\"ok\"}"), 1.0);
+    // The failure counters' label sets exist at 0 before any failure (alerts can be written).
+    for reason in ["stream_ended", "unavailable", "stream_broken"] {
+        assert_eq!(sample(&router, &format!("pd_migrations_total{{reason=\"{reason}\"}}")), 0.0);
+    }
+    assert_eq!(sample(&router, "pd_requests_rejected_total{reason=\"overloaded\"}"), 0.0);
     let prefill = parse_prometheus(&Cluster::scrape(&cluster.prefill_metrics[0]).await);
     assert_eq!(sample(&prefill, "pd_kv_transfer_bytes_total"), expected_kv as f64);
     assert_eq!(sample(&prefill, &format!("pd_request_prefill_time_seconds_count{{{labels}}}")), 1.0);

@@ -1,7 +1,7 @@
 //! pd-load: end-to-end TTFT and ITL of any OpenAI-compatible server at several concurrency
 //! levels (closed loop, streaming chat, short prompts), and the same workload through the
 //! engine alone in this process, so the cost of the distributed path is visible. A first
-//! version of the load generator; DESIGN.md's definitions: TTFT = request sent -> first
+//! version of the load generator; docs/design.md's definitions: TTFT = request sent -> first
 //! token received; ITL = every gap between consecutive tokens, pooled.
 
 use std::path::PathBuf;

@@ -1,4 +1,4 @@
-//! The statistics of every report (DESIGN.md's definitions): nearest-rank percentiles,
+//! The statistics of every report (docs/design.md's definitions): nearest-rank percentiles,
 //! inter-token latency pooled over all gaps of all streams, TPOT per request, goodput
 //! against a class's SLOs.
 

@@ -1,4 +1,4 @@
-//! The router schedules, workers execute (DESIGN.md, Scheduling). Every request passes
+//! The router schedules, workers execute (docs/design.md, Scheduling). Every request passes
 //! `submit`: it is refused at once (429 + Retry-After) when its class's queue budget is spent
 //! or its estimated wait already exceeds its TTFT SLO, else it waits in the router's queue
 //! (priority, then TTFT deadline) until a decode worker has KV room and, for a prompt that
