@@ -18,13 +18,14 @@ use std::process::{Command, Stdio};
 use pd_tests::Cluster;
 use serde_json::Value;
 
-const OVERLAYS: [&str; 3] = ["cpu-dev", "gpu", "gpu-rdma"];
+const OVERLAYS: [&str; 4] = ["cpu-dev", "gpu", "gpu-rdma", "own-model"];
 const KUBERNETES_VERSION: &str = "1.32.0";
 /// The pd image each overlay deploys.
-const IMAGES: [(&str, &str); 3] = [
+const IMAGES: [(&str, &str); 4] = [
     ("cpu-dev", "ghcr.io/pd-serving/pd:cpu-0.1.0"),
     ("gpu", "ghcr.io/pd-serving/pd:cuda-0.1.0"),
     ("gpu-rdma", "ghcr.io/pd-serving/pd:cuda-ucx-0.1.0"),
+    ("own-model", "registry.example.com/pd:cpu-0.1.0"),
 ];
 
 fn repo() -> PathBuf {
@@ -366,6 +367,27 @@ async fn manifests_agree_with_the_binaries() {
                     }
                 }
             }
+        }
+        // 9. Every claim a pod mounts is in the render, in the pod's namespace, and the model
+        //    path (PD_MODEL) lies on a volume every pd container mounts.
+        for d in objects.iter().filter(|o| o["kind"] == "Deployment") {
+            let namespace = &d["metadata"]["namespace"];
+            for volume in d["spec"]["template"]["spec"]["volumes"].as_array().into_iter().flatten() {
+                if let Some(claim) = volume["persistentVolumeClaim"]["claimName"].as_str() {
+                    let pvc = find(&objects, "PersistentVolumeClaim", claim);
+                    assert_eq!(&pvc["metadata"]["namespace"], namespace, "{overlay}: claim {claim}'s namespace");
+                }
+            }
+        }
+        for c in &containers {
+            let model = c.env.get("PD_MODEL").unwrap_or_else(|| panic!("{overlay}/{}: no PD_MODEL", c.deployment));
+            let mounted = c.container["volumeMounts"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|m| m["mountPath"].as_str())
+                .any(|path| model.starts_with(&format!("{}/", path.trim_end_matches('/'))));
+            assert!(mounted, "{overlay}/{}: PD_MODEL {model} is on no mounted volume", c.deployment);
         }
         // 6. Autoscalers: one per pool, on metrics that pool's binary exports.
         let scaled: Vec<&Value> = objects.iter().filter(|o| o["kind"] == "ScaledObject").collect();
