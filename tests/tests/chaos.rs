@@ -133,6 +133,8 @@ impl Chaos {
         c.args(["--prefill", &format!("{},{}", self.addr("p0"), self.addr("p1"))]);
         c.args(["--decode", &format!("{},{}", self.addr("d0"), self.addr("d1"))]);
         c.args(["--quarantine-ms", "2000"]);
+        // Faults are under test, not admission: the test clusters' relaxed classes.
+        c.arg("--classes").arg(pd_tests::relaxed_classes(self.logs.path()));
         let log = self.logs.path().join("router.log");
         let (proc, _) = spawn_command(c, "pd-router", "pd-router http on", Some(log));
         self.procs.insert("router", proc);

@@ -45,10 +45,15 @@ fn sim_workers(cost: &Path, prefill: usize, decode: usize, extra: &[&str]) -> (P
 }
 
 /// The real router over `prefill` and `decode`: the process and its HTTP address.
-fn router(prefill: &str, decode: &str) -> (Proc, String) {
+/// The real router over `prefill` and `decode`, with the test clusters' relaxed classes
+/// (written to `dir`): the simulated workers run at rates measured on a busy machine, and
+/// what is under test is the chain, not admission.
+fn router(prefill: &str, decode: &str, dir: &Path) -> (Proc, String) {
+    let classes = pd_tests::relaxed_classes(dir);
     let mut command = Command::new(binary("pd-router"));
     command.args(["--http-listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--model", &model()]);
     command.args(["--prefill", prefill, "--decode", decode]);
+    command.arg("--classes").arg(classes);
     let (proc, lines) = spawn_command(command, "pd-router", "pd-router http on", None);
     let http = lines.last().and_then(|l| l.split_whitespace().next()).expect("http address").to_string();
     (proc, http)
@@ -114,7 +119,7 @@ async fn profile_simulate_route_and_plan() {
     // 2. Simulated workers with that model, the real router over them, a pd-bench run.
     let (_sim, prefill, decode) = sim_workers(&cost, 2, 2, &[]);
     assert_eq!((prefill.split(',').count(), decode.split(',').count()), (2, 2));
-    let (_router, http) = router(&prefill, &decode);
+    let (_router, http) = router(&prefill, &decode, dir.path());
     wait_ready(&http).await;
     let runs = dir.path().join("run");
     let scenario = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/scenarios/smoke.txt");
@@ -159,7 +164,7 @@ async fn a_simulated_decode_worker_lost_mid_stream_costs_no_request() {
     std::fs::write(&cost, model.to_string()).expect("cost");
     // Streams of 60 tokens take 1.2 s; decode worker 0 is lost 1.5 s in, while 8 run.
     let (_sim, prefill, decode) = sim_workers(&cost, 2, 2, &["--lose", "decode:0@1.5"]);
-    let (_router, http) = router(&prefill, &decode);
+    let (_router, http) = router(&prefill, &decode, dir.path());
     wait_ready(&http).await;
     let started = tokio::time::Instant::now();
     tokio::time::sleep_until(started + Duration::from_millis(800)).await;
