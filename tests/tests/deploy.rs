@@ -229,9 +229,24 @@ async fn manifests_agree_with_the_binaries() {
         ("pd-prefill", cluster.prefill_metrics[0].clone()),
         ("pd-decode", cluster.decode_metrics.clone()),
     ]);
+    // One request first, so that series which appear with their first event are there too.
+    let answer = reqwest::Client::new()
+        .post(cluster.url("/v1/completions"))
+        .json(&serde_json::json!({"prompt": "Hello", "max_tokens": 2}))
+        .send()
+        .await
+        .expect("request");
+    assert!(answer.status().is_success(), "a request to the test cluster: {}", answer.status());
     let mut exported: HashMap<&str, String> = HashMap::new();
     for (bin, addr) in &served {
         exported.insert(bin, Cluster::scrape(addr).await);
+    }
+    // 0. Every metric a binary exports is in docs/metrics.md.
+    let reference = std::fs::read_to_string(repo().join("docs/metrics.md")).expect("docs/metrics.md");
+    for (bin, text) in &exported {
+        for name in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")).filter_map(|l| l.split(' ').next()) {
+            assert!(reference.contains(&format!("| `{name}` |")), "{bin} exports {name}, which docs/metrics.md lacks");
+        }
     }
 
     // The secret cert-manager would mount, made here: --check-config reads the PEM files.
@@ -457,4 +472,20 @@ fn images_build_with_the_repositorys_toolchains() {
     let toolkit = major(&read("scripts/install-cuda-toolkit.sh"), "nvidia-cuda-nvcc==").expect("nvcc version");
     let image = major(&cuda, "ARG CUDA_VERSION=").expect("CUDA_VERSION in Dockerfile.cuda");
     assert_eq!(image, toolkit, "Dockerfile.cuda's CUDA major version");
+}
+
+/// docs/configuration.md lists every flag of each server binary as its own `--help` prints
+/// it (scripts/gen-config-doc.sh writes it; rerun that after changing a flag).
+#[test]
+fn the_configuration_reference_is_the_binaries_own_help() {
+    let doc = std::fs::read_to_string(repo().join("docs/configuration.md")).expect("docs/configuration.md");
+    for name in ["pd-router", "pd-prefill", "pd-decode"] {
+        let out = Command::new(binary(name)).arg("--help").env_clear().output().expect("run --help");
+        assert!(out.status.success(), "{name} --help");
+        let help = String::from_utf8(out.stdout).expect("utf-8 help");
+        assert!(
+            doc.contains(&format!("## {name}\n\n```text\n{help}```\n")),
+            "docs/configuration.md is out of date for {name}: run scripts/gen-config-doc.sh"
+        );
+    }
 }
