@@ -20,6 +20,7 @@ pub fn model_path() -> PathBuf {
 }
 
 pub mod certs;
+pub mod k8s;
 pub mod netns;
 pub mod proxy;
 

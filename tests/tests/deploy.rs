@@ -15,6 +15,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use pd_tests::k8s::run;
 use pd_tests::Cluster;
 use serde_json::Value;
 
@@ -32,38 +33,15 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-fn run(cmd: &mut Command, what: &str) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e} (run scripts/install-k8s-tools.sh)"));
-    assert!(
-        out.status.success(),
-        "{what} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// Renders `overlay`, validates it and returns its objects.
 fn render(overlay: &str) -> Vec<Value> {
-    let dir = repo().join("deploy/k8s/overlays").join(overlay);
-    let yaml = run(Command::new("kubectl").arg("kustomize").arg(&dir), &format!("kubectl kustomize {overlay}"));
-    let file = tempfile::NamedTempFile::new().expect("temp file");
-    std::fs::write(file.path(), &yaml).expect("write render");
+    let (file, objects) = pd_tests::k8s::render(overlay);
     let report = run(
         Command::new("kubernetes-validate").args(["-k", KUBERNETES_VERSION, "--strict", "--quiet"]).arg(file.path()),
         &format!("kubernetes-validate {overlay}"),
     );
     assert!(!report.contains("ERROR"), "{overlay}: {report}");
-    let json = run(
-        Command::new("python3")
-            .args([
-                "-c",
-                "import json, sys, yaml; print(json.dumps([d for d in yaml.safe_load_all(open(sys.argv[1])) if d]))",
-            ])
-            .arg(file.path()),
-        "yaml to json",
-    );
-    serde_json::from_str(&json).expect("render as json")
+    objects
 }
 
 fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
