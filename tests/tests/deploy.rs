@@ -324,7 +324,7 @@ async fn manifests_agree_with_the_binaries() {
                 assert_eq!(&labels[k], v, "{overlay}: {host} selects the {pool} pods");
             }
         }
-        // 7. The image each pd container runs: the overlay's own (a base `images:` entry
+        // 6. The image each pd container runs: the overlay's own (a base `images:` entry
         //    renames `pd` first, so an overlay must match the renamed image), and a CUDA build
         //    wherever a container asks for a CUDA device.
         let expected = IMAGES.iter().find(|(o, _)| *o == overlay).map(|(_, image)| *image).expect("overlay image");
@@ -335,7 +335,7 @@ async fn manifests_agree_with_the_binaries() {
                 assert!(image.contains(":cuda"), "{overlay}/{}: --device=cuda on {image}", c.deployment);
             }
         }
-        // 8. Every pod a NetworkPolicy names (the pods it guards, the pods it admits) exists:
+        // 7. Every pod a NetworkPolicy names (the pods it guards, the pods it admits) exists:
         //    a selector on a label no pod template carries admits nothing.
         let pods: Vec<&Value> = objects
             .iter()
@@ -361,7 +361,7 @@ async fn manifests_agree_with_the_binaries() {
                 }
             }
         }
-        // 9. Every claim a pod mounts is in the render, in the pod's namespace, and the model
+        // 8. Every claim a pod mounts is in the render, in the pod's namespace, and the model
         //    path (PD_MODEL) lies on a volume every pd container mounts.
         for d in objects.iter().filter(|o| o["kind"] == "Deployment") {
             let namespace = &d["metadata"]["namespace"];
@@ -382,7 +382,7 @@ async fn manifests_agree_with_the_binaries() {
                 .any(|path| model.starts_with(&format!("{}/", path.trim_end_matches('/'))));
             assert!(mounted, "{overlay}/{}: PD_MODEL {model} is on no mounted volume", c.deployment);
         }
-        // 6. Autoscalers: one per pool, on metrics that pool's binary exports.
+        // 9. Autoscalers: one per pool, on metrics that pool's binary exports.
         let scaled: Vec<&Value> = objects.iter().filter(|o| o["kind"] == "ScaledObject").collect();
         assert_eq!(scaled.len(), 3, "{overlay}: a ScaledObject per pool");
         for so in scaled {
