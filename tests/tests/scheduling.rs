@@ -108,7 +108,9 @@ async fn prompts_wait_for_prefill_kv_blocks_instead_of_failing() {
 /// failing. Admission refuses only overload, not a prompt for its own length.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_long_prompt_without_a_class_at_light_load_is_served() {
-    let cluster = Cluster::start(1).await;
+    // The shipped classes: what a long prompt is (against the tightest TTFT SLO) and when
+    // admission refuses are under test.
+    let cluster = Cluster::start_with(Options { prefill: 1, builtin_classes: true, ..Options::default() }).await;
     let chat = cluster.url("/v1/chat/completions");
     let completions = cluster.url("/v1/completions");
     let streams: Vec<_> = (0..3)
