@@ -225,12 +225,7 @@ async fn a_killed_decode_workers_stream_continues_on_another_with_the_same_token
     assert!(killed.is_some(), "a decode worker was killed");
     assert_eq!(got, expected, "the streamed text after a decode worker died");
     assert_eq!((usage, done), (Some(120), true));
-    let metrics = Cluster::scrape(&cluster.http).await;
-    let migrations: f64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("pd_migrations_total{"))
-        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
-        .sum();
+    let (metrics, migrations) = migrations(&cluster).await;
     assert_eq!(migrations, 3.0, "each loss counted once:\n{metrics}");
 }
 
@@ -326,11 +321,17 @@ async fn several_answers_continue_each_on_its_own_leg_with_the_same_tokens() {
     assert_eq!(ended, vec![Some(60); 3], "each answer's own count, from the request's start");
     let done = done.expect("the request finished");
     assert_eq!((done.completion_tokens, done.prompt_tokens > 0), (180, true), "{done:?}");
+    let (metrics, migrations) = migrations(&cluster).await;
+    assert_eq!(migrations, 1.0, "one loss, one migration of three answers:\n{metrics}");
+}
+
+/// The router's /metrics text and its `pd_migrations_total` summed over every reason.
+async fn migrations(cluster: &Cluster) -> (String, f64) {
     let metrics = Cluster::scrape(&cluster.http).await;
-    let migrations: f64 = metrics
+    let total = metrics
         .lines()
         .filter(|l| l.starts_with("pd_migrations_total{"))
         .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
         .sum();
-    assert_eq!(migrations, 1.0, "one loss, one migration of three answers:\n{metrics}");
+    (metrics, total)
 }
