@@ -13,14 +13,15 @@
 use std::time::Instant;
 
 use pd_engine::{
-    BatchSeq, BlockAllocation, EngineError, OutputTracker, Sampler, SamplingParams, SequenceKv, Tokenizer,
+    BatchSeq, BlockAllocation, EngineError, OutputTracker, Sampler, SamplingParams, SequenceKv, TokenLogprobs,
+    Tokenizer,
 };
 use pd_kv_transfer::convert::logprobs_to_pb;
 use pd_proto::v1 as pb;
 use pd_telemetry::metrics::DecodeMetrics;
 use pd_telemetry::opentelemetry::KeyValue;
 use pd_telemetry::{StageLabels, StageSpan};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 /// What the batch reports about one sequence, on its stream.
 pub type Event = Result<pb::DecodeEvent, tonic::Status>;
@@ -100,6 +101,17 @@ pub struct Admission {
     /// The request's other answers, for a prompt that runs here: they join once it has run,
     /// over its KV (the prompt computed once for all of them).
     pub forks: Vec<Fork>,
+    /// A prompt scored here (`DecodeWorker.Score`); None for a generation.
+    pub score: Option<Scoring>,
+}
+
+/// A prompt scored in the batch (colocated `Score`): each position's logits give the log
+/// probability of the prompt token after it (with `top` alternatives), sent on `sink` once
+/// the prompt is complete; the first output token then streams as any sequence's does.
+#[derive(Debug)]
+pub struct Scoring {
+    pub top: usize,
+    pub sink: oneshot::Sender<Vec<TokenLogprobs>>,
 }
 
 /// One more answer to a prompt that runs here: joins when the prompt is complete, sharing its
@@ -161,6 +173,8 @@ struct Running {
     labels: StageLabels,
     /// Answers waiting for this prompt to complete.
     forks: Vec<Fork>,
+    /// Scoring this prompt, and the scores so far.
+    score: Option<(Scoring, Vec<TokenLogprobs>)>,
 }
 
 impl Drop for Running {
@@ -253,6 +267,24 @@ impl Running {
         true
     }
 
+    /// Scores the `take` rows of `logits` from `row` on (this sequence's chunk at its
+    /// `done..`): each position but the prompt's last gives the next prompt token's log
+    /// probability. When the chunk completes the prompt, the scores go to the sink.
+    fn score_chunk(&mut self, logits: &candle_core::Tensor, row: usize, take: usize) -> Result<(), EngineError> {
+        let (Phase::Prompt { done }, Some((scoring, scored))) = (&self.phase, &mut self.score) else { return Ok(()) };
+        for j in 0..take {
+            let Some(&next) = self.prompt.get(done + j + 1) else { break };
+            let values = logits.get(row + j)?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
+            scored.push(pd_engine::token_logprobs(&values, next, scoring.top));
+        }
+        if done + take == self.prompt.len() {
+            if let Some((scoring, scored)) = self.score.take() {
+                let _ = scoring.sink.send(scored);
+            }
+        }
+        Ok(())
+    }
+
     /// The answers waiting for this (complete) prompt, over its KV; a fork whose KV cannot be
     /// made fails the request on the shared stream.
     fn spawn_forks(&mut self, fork: Forker<'_>) -> Vec<Admission> {
@@ -273,6 +305,7 @@ impl Running {
                     span: f.span,
                     labels: self.labels.clone(),
                     forks: Vec::new(),
+                    score: None,
                 }),
                 Err(e) => {
                     let message = format!("answer {} could not share the prompt's KV: {e}", f.index);
@@ -353,6 +386,7 @@ impl BatchState {
             span: a.span,
             labels: a.labels,
             forks: a.forks,
+            score: a.score.map(|s| (s, Vec::new())),
         };
         if first.is_none_or(|(token, logprobs)| seq.emit(token, logprobs, tokenizer, metrics)) {
             self.running.push(seq);
@@ -420,9 +454,17 @@ impl BatchState {
         .collect()
     }
 
-    /// Applies a step's logits (one row per sequence that asked, in batch order): advances
-    /// prompts (a complete one lets its forks join, made by `fork`), samples and streams
-    /// tokens, and removes the sequences that are done.
+    /// For each sequence of `batch(inputs)`, whether it wants a logits row for every one of its
+    /// tokens (a prompt being scored), in the same order.
+    pub fn every_row(&self, inputs: &[Vec<u32>]) -> Vec<bool> {
+        let rows = self.running.iter().zip(inputs).filter(|(_, t)| !t.is_empty());
+        rows.map(|(s, _)| s.score.is_some() && matches!(s.phase, Phase::Prompt { .. })).collect()
+    }
+
+    /// Applies a step's logits (one row per sequence that asked, in batch order; every row of
+    /// a prompt being scored): scores prompts, advances them (a complete one lets its forks
+    /// join, made by `fork`), samples and streams tokens, and removes the sequences that are
+    /// done.
     pub fn apply_logits(
         &mut self,
         takes: &[usize],
@@ -435,6 +477,16 @@ impl BatchState {
         let mut keep = Vec::with_capacity(self.running.len());
         let mut forked = Vec::new();
         for (mut seq, &take) in self.running.drain(..).zip(takes) {
+            if take > 0 && seq.score.is_some() {
+                let completes = matches!(seq.phase, Phase::Prompt { done } if done + take == seq.prompt.len());
+                if let Err(e) = seq.score_chunk(logits, row, take) {
+                    seq.fail(tonic::Status::internal(format!("scoring the prompt failed: {e}")));
+                    row += take;
+                    continue;
+                }
+                // The prompt's last row is the one every prompt gives (the first token's).
+                row += if completes { take - 1 } else { take };
+            }
             if take == 0 || !seq.advance_prompt(take, step_started) {
                 keep.push(seq);
                 continue;

@@ -128,7 +128,16 @@ impl Loop {
         let takes = self.state.plan();
         let inputs = self.state.inputs(&takes);
         let step_started = Instant::now();
-        let logits = self.engine.forward(&mut self.state.batch(&inputs));
+        let every_row = self.state.every_row(&inputs);
+        let mut batch = self.state.batch(&inputs);
+        let logits = match every_row.contains(&true) {
+            false => self.engine.forward(&mut batch),
+            true => {
+                let (model, cache) = (self.engine.model(), self.engine.cache());
+                model.forward_rows(cache, &mut batch, &every_row, &mut |_| std::ops::ControlFlow::Continue(()))
+            }
+        };
+        drop(batch);
         let took = step_started.elapsed().as_secs_f64() * 1e3;
         let old = f64::from_bits(self.step_ms.load(Ordering::Relaxed));
         let smoothed = if old == 0.0 { took } else { 0.7 * old + 0.3 * took };

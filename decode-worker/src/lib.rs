@@ -7,7 +7,8 @@
 //!
 //! Layout: `service` (the request's stages: check, reserve, await commit, admit), `batch`
 //! (the running batch as synchronous state, unit-tested without a model), `batcher` (the
-//! thread that steps the engine over it), `error` (the one mapping to gRPC statuses).
+//! thread that steps the engine over it), `score` (echo prompts scored in the batch, for
+//! colocated serving), `error` (the one mapping to gRPC statuses).
 //!
 //! `/metrics`, `/health` and `/ready` are served on a second, HTTP port. On shutdown
 //! (SIGTERM): readiness fails and new requests are refused; running sequences (and those
@@ -20,6 +21,7 @@ pub mod batch;
 pub mod batcher;
 pub mod config;
 pub mod error;
+pub mod score;
 pub mod service;
 
 use std::future::Future;

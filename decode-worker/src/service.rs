@@ -98,7 +98,7 @@ impl DecodeService {
     }
 
     /// Counts and records a refusal; the status the router gets.
-    fn refuse(&self, span: &StageSpan, error: DecodeError) -> Status {
+    pub(crate) fn refuse(&self, span: &StageSpan, error: DecodeError) -> Status {
         span.error(error.to_string());
         self.metrics.rejected.with_label_values(&[error.reason()]).inc();
         error.to_status()
@@ -221,6 +221,7 @@ impl DecodeService {
             span,
             labels: c.labels.clone(),
             forks,
+            score: None,
         })
     }
 
@@ -316,6 +317,7 @@ impl DecodeService {
                 span: self.generate_span(&c, index),
                 labels: c.labels.clone(),
                 forks: Vec::new(),
+                score: None,
             });
         }
         admissions.insert(
@@ -332,6 +334,7 @@ impl DecodeService {
                 span: self.generate_span(&c, 0),
                 labels: c.labels.clone(),
                 forks: Vec::new(),
+                score: None,
             },
         );
         admissions.into_iter().try_for_each(|a| self.batcher.admit(a))
@@ -374,6 +377,25 @@ impl DecodeWorker for DecodeService {
         }
         admit.end();
         Ok(Response::new(UnboundedReceiverStream::new(rx)))
+    }
+
+    async fn score(&self, request: Request<pb::ScoreRequest>) -> Result<Response<pb::ScoreResponse>, Status> {
+        let parent = pd_telemetry::otel::extract_metadata(request.metadata());
+        let class = RequestClass::from_metadata(request.metadata());
+        let span = StageSpan::start("decode.score", &parent);
+        if self.stopping.load(Ordering::Relaxed) {
+            return Err(self.refuse(&span, DecodeError::ShuttingDown));
+        }
+        let req = request.into_inner();
+        span.set("pd.request_id", req.request_id.clone());
+        let labels = StageLabels::new(&class, req.prompt_tokens.len());
+        let answer = self.score_here(req, &span, labels).await;
+        match &answer {
+            Ok(a) => span.set("pd.prefill.compute_ms", a.prefill_ms),
+            Err(status) => span.error(status.message()),
+        }
+        span.end();
+        answer.map(Response::new)
     }
 
     async fn load(&self, request: Request<pb::LoadRequest>) -> Result<Response<pb::DecodeLoad>, Status> {

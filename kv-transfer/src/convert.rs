@@ -59,6 +59,40 @@ pub fn sampling_from_pb(
     Ok(params)
 }
 
+/// A `ScoreRequest` checked against the model that scores it (prefill worker, or a decode
+/// worker under colocated serving): the prompt, the alternatives per position, and the
+/// sampling of the first output token.
+#[derive(Debug, Clone)]
+pub struct ScoreJob {
+    pub prompt: Vec<u32>,
+    pub top: usize,
+    pub sampling: SamplingParams,
+}
+
+/// Checks `req` against `config`: a prompt within the context and the vocabulary, at most
+/// `MAX_TOP_LOGPROBS` alternatives, valid sampling.
+pub fn score_job_from_pb(req: pb::ScoreRequest, config: &pd_engine::ModelConfig) -> Result<ScoreJob, InvalidField> {
+    if req.prompt_tokens.is_empty() {
+        return Err(InvalidField::new("prompt_tokens", "is empty"));
+    }
+    let max = config.max_position;
+    if req.prompt_tokens.len() > max {
+        let message = format!("{} tokens exceed the context length of {max}", req.prompt_tokens.len());
+        return Err(InvalidField::new("prompt_tokens", message));
+    }
+    let vocab = config.vocab_size;
+    if let Some((i, id)) = req.prompt_tokens.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+        return Err(InvalidField::new("prompt_tokens", format!("[{i}] ({id}) is outside the vocabulary of {vocab}")));
+    }
+    let top = req.top_logprobs as usize;
+    if top > pd_engine::MAX_TOP_LOGPROBS {
+        let message = format!("{top} is above {}", pd_engine::MAX_TOP_LOGPROBS);
+        return Err(InvalidField::new("top_logprobs", message));
+    }
+    let sampling = sampling_from_pb(req.sampling.as_ref(), 0)?;
+    Ok(ScoreJob { prompt: req.prompt_tokens, top, sampling })
+}
+
 /// The wire form of `params` (the inverse of `sampling_from_pb`).
 pub fn sampling_to_pb(params: &SamplingParams) -> pb::SamplingParams {
     pb::SamplingParams {

@@ -6,40 +6,16 @@
 
 use std::time::Instant;
 
-use pd_engine::{Engine, Sampler, SamplingParams, TokenLogprobs, MAX_TOP_LOGPROBS};
-use pd_kv_transfer::convert::{logprobs_to_pb, sampling_from_pb};
+use pd_engine::{Engine, Sampler, TokenLogprobs};
+use pd_kv_transfer::convert::{logprobs_to_pb, score_job_from_pb, ScoreJob};
 use pd_proto::v1 as pb;
 
 use crate::error::PrefillError;
 use crate::steps::{StepEvent, Steps};
 
-/// A scoring request that passed its checks.
-pub struct ScoreJob {
-    pub prompt: Vec<u32>,
-    pub top: usize,
-    pub sampling: SamplingParams,
-}
-
-/// Checks `req` against the model.
+/// Checks `req` against the model (`convert::score_job_from_pb`).
 pub fn check(engine: &Engine, req: pb::ScoreRequest) -> Result<ScoreJob, PrefillError> {
-    if req.prompt_tokens.is_empty() {
-        return Err(PrefillError::Invalid("prompt_tokens is empty".into()));
-    }
-    let max = engine.model().config().max_position;
-    if req.prompt_tokens.len() > max {
-        let message = format!("prompt_tokens ({}) exceed the context length of {max}", req.prompt_tokens.len());
-        return Err(PrefillError::Invalid(message));
-    }
-    let vocab = engine.model().config().vocab_size;
-    if let Some((i, id)) = req.prompt_tokens.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
-        return Err(PrefillError::Invalid(format!("prompt_tokens[{i}] ({id}) is outside the vocabulary of {vocab}")));
-    }
-    let top = req.top_logprobs as usize;
-    if top > MAX_TOP_LOGPROBS {
-        return Err(PrefillError::Invalid(format!("top_logprobs ({top}) is above {MAX_TOP_LOGPROBS}")));
-    }
-    let sampling = sampling_from_pb(req.sampling.as_ref(), 0)?;
-    Ok(ScoreJob { prompt: req.prompt_tokens, top, sampling })
+    Ok(score_job_from_pb(req, engine.model().config())?)
 }
 
 /// What scoring gave.

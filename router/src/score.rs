@@ -2,8 +2,9 @@
 //! `logprobs` each prompt token's log probability given those before it (what evaluation
 //! harnesses send to measure a loglikelihood), scored by one prefill worker's `Score` (the
 //! prompt computed whole in its step loop, beside other prompts). The prefill worker with the
-//! shortest estimated wait is asked; one that is unreachable is replaced by the next (at most
-//! three tries).
+//! shortest estimated wait is asked; under colocated serving (no prefill pool) the decode
+//! worker with the least load scores it in its batch (`DecodeWorker.Score`). A worker that is
+//! unreachable is replaced by the next (at most three tries).
 //!
 //! With `max_tokens` 0 or 1, not streamed, one answer (`echo`): the one output token is the
 //! prefill worker's own first token, so no decode worker and no KV reservation are involved.
@@ -35,7 +36,8 @@ pub struct Echoed {
     pub completion_tokens: u32,
 }
 
-/// Scores `req`'s prompt on a prefill worker (see the module docs).
+/// Scores `req`'s prompt on a prefill worker, or under colocated serving (no prefill pool)
+/// on the least loaded decode worker, in its batch (see the module docs).
 async fn scored(
     scheduler: &Scheduler,
     req: &ValidRequest,
@@ -49,22 +51,46 @@ async fn scored(
         top_logprobs: req.params.logprobs.unwrap_or(0) as u32,
         sampling: Some(sampling_to_pb(&sampling)),
     };
+    let colocated = scheduler.pools.prefill.specs_empty();
+    let stage = if colocated { "decode" } else { "prefill" };
     let mut tried = Vec::new();
-    let mut last = RouterError::NoWorker("prefill");
+    let mut last = RouterError::NoWorker(stage);
     while tried.len() < TRIES {
-        let Some(addr) = scheduler.retry_prefill_worker(&tried) else { break };
-        let mut picked = scheduler.pools.prefill_client(&addr, "score: shortest estimated wait".into())?;
-        match picked.client.score(traced(message.clone(), record.span().context(), record.class())).await {
+        let next = match colocated {
+            true => scheduler.retry_decode_worker(&tried),
+            false => scheduler.retry_prefill_worker(&tried),
+        };
+        let Some(addr) = next else { break };
+        let request = traced(message.clone(), record.span().context(), record.class());
+        let answer = match colocated {
+            true => {
+                let mut picked = scheduler.pools.decode_client(&addr, "score (colocated): least load".into())?;
+                picked.client.score(request).await
+            }
+            false => {
+                let mut picked = scheduler.pools.prefill_client(&addr, "score: shortest estimated wait".into())?;
+                picked.client.score(request).await
+            }
+        };
+        match answer {
             Ok(answer) => {
-                record.prefill_worker = addr;
+                if colocated {
+                    record.decode_worker = addr.clone();
+                    record.prefill_worker = format!("local:{addr}");
+                } else {
+                    record.prefill_worker = addr;
+                }
                 return Ok(answer.into_inner());
             }
             Err(status) if status.code() == tonic::Code::Unavailable => {
-                scheduler.pools.prefill.forget(&addr);
-                last = worker_status_error("prefill", status);
+                match colocated {
+                    true => scheduler.pools.decode.forget(&addr),
+                    false => scheduler.pools.prefill.forget(&addr),
+                }
+                last = worker_status_error(stage, status);
                 tried.push(addr);
             }
-            Err(status) => return Err(worker_status_error("prefill", status)),
+            Err(status) => return Err(worker_status_error(stage, status)),
         }
     }
     Err(last)

@@ -370,6 +370,11 @@ impl pb::decode_worker_server::DecodeWorker for SimDecode {
         Ok(Response::new(UnboundedReceiverStream::new(rx)))
     }
 
+    async fn score(&self, _: Request<pb::ScoreRequest>) -> Result<Response<pb::ScoreResponse>, Status> {
+        // A cost model has no logits to score a prompt with.
+        Err(Status::unimplemented("the simulated decode worker does not score prompts (echo with logprobs)"))
+    }
+
     async fn load(&self, _: Request<pb::LoadRequest>) -> Result<Response<pb::DecodeLoad>, Status> {
         self.check_alive()?;
         let s = self.lock();

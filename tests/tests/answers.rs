@@ -193,13 +193,44 @@ fn sample(metrics: &str, name: &str) -> f64 {
 async fn echo_scores_the_prompt_on_a_prefill_worker_alone() {
     let cluster = Cluster::start(1).await;
     let decode_before = Cluster::scrape(&cluster.decode_metrics).await;
+    let (prompt_tokens, logprobs) = echo_scored(&cluster).await;
+    let decode_after = Cluster::scrape(&cluster.decode_metrics).await;
+    for name in ["pd_prefix_cache_queries_total", "pd_kv_transfer_bytes_total"] {
+        assert_eq!(sample(&decode_after, name), sample(&decode_before, name), "{name}: no reservation, no transfer");
+    }
+    grpc_echo(&cluster, prompt_tokens, &logprobs).await;
+    agrees_with_llamacpp(&cluster).await;
+    cluster.wait_kv_free(Duration::from_secs(5)).await;
+}
+
+/// Colocated serving (no prefill pool): the decode worker scores echo prompts in its batch,
+/// in 16-token chunks beside a running stream, as a prefill worker would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn colocated_echo_scores_the_prompt_in_the_decode_batch() {
+    let decode_args = vec!["--prefill-policy".into(), "chunked:16".into()];
+    let cluster = Cluster::start_with(Options { prefill: 0, decode_args, ..Options::default() }).await;
+    let url = cluster.url("/v1/chat/completions");
+    let body = json!({ "messages": [{ "role": "user", "content": QUESTION }], "max_tokens": 48, "temperature": 0 });
+    let streaming = tokio::spawn(async move { reqwest::Client::new().post(url).json(&body).send().await });
+    let (prompt_tokens, logprobs) = echo_scored(&cluster).await;
+    let answer: Value = streaming.await.expect("task").expect("request").json().await.expect("json");
+    assert_eq!(contents(&answer), vec![engine_answer(QUESTION, 48)], "the stream beside the scoring");
+    grpc_echo(&cluster, prompt_tokens, &logprobs).await;
+    agrees_with_llamacpp(&cluster).await;
+    cluster.wait_kv_free(Duration::from_secs(5)).await;
+}
+
+/// `QUESTION` echoed with its scores over HTTP (checked: every prompt token but the first
+/// scored, two alternatives each, the prompt's text first); a prompt outside the vocabulary
+/// refused. The prompt's length and its `token_logprobs`.
+async fn echo_scored(cluster: &Cluster) -> (usize, Vec<Value>) {
     let body = json!({ "prompt": QUESTION, "echo": true, "logprobs": 2, "max_tokens": 1, "temperature": 0 });
     let r = reqwest::Client::new().post(cluster.url("/v1/completions")).json(&body).send().await.expect("request");
     assert_eq!(r.status().as_u16(), 200);
     let v: Value = r.json().await.expect("json");
     let choice = &v["choices"][0];
     let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().expect("usage") as usize;
-    let logprobs = choice["logprobs"]["token_logprobs"].as_array().expect("token_logprobs");
+    let logprobs = choice["logprobs"]["token_logprobs"].as_array().expect("token_logprobs").clone();
     assert_eq!(logprobs.len(), prompt_tokens + 1, "every prompt token and the one output token: {v}");
     assert!(logprobs[0].is_null(), "the first prompt token has nothing before it");
     assert!(logprobs[1..].iter().all(|l| l.as_f64().is_some_and(|l| l <= 0.0)), "{v}");
@@ -207,17 +238,11 @@ async fn echo_scores_the_prompt_on_a_prefill_worker_alone() {
     assert!(tops[1..].iter().all(|t| t.as_object().is_some_and(|m| m.len() == 2)), "two alternatives each");
     assert!(choice["text"].as_str().expect("text").starts_with(QUESTION), "{v}");
     assert_eq!(v["usage"]["completion_tokens"], 1);
-    let decode_after = Cluster::scrape(&cluster.decode_metrics).await;
-    for name in ["pd_prefix_cache_queries_total", "pd_kv_transfer_bytes_total"] {
-        assert_eq!(sample(&decode_after, name), sample(&decode_before, name), "{name}: no reservation, no transfer");
-    }
     // A prompt outside the vocabulary is refused before any worker; the worker checks too.
     let bad = json!({ "prompt": [1, 999_999], "echo": true, "logprobs": 1, "max_tokens": 0 });
     let r = reqwest::Client::new().post(cluster.url("/v1/completions")).json(&bad).send().await.expect("request");
     assert_eq!(r.status().as_u16(), 400);
-    grpc_echo(&cluster, prompt_tokens, logprobs).await;
-    agrees_with_llamacpp(&cluster).await;
-    cluster.wait_kv_free(Duration::from_secs(5)).await;
+    (prompt_tokens, logprobs)
 }
 
 /// `echo` over gRPC: the prompt's tokens marked `prompt`, scored as over HTTP; with nothing

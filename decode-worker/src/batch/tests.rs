@@ -57,6 +57,7 @@ impl Fixture {
             span: StageSpan::start("decode.generate", &Context::new()),
             labels: StageLabels::new(&RequestClass::default_class(), prompt_tokens),
             forks: Vec::new(),
+            score: None,
         };
         (a, rx)
     }
@@ -267,4 +268,35 @@ fn a_prompt_run_here_lets_its_forks_join_once_complete_and_they_recompute_only_i
     assert_eq!(indexes.iter().filter(|&&i| i == 2).count(), 2, "{indexes:?}");
     assert!(state.is_empty());
     assert_eq!(f.blocks.free_blocks(), f.blocks.total_blocks(), "every block is free");
+}
+
+#[test]
+fn a_scored_prompt_takes_a_row_per_token_beside_a_decoding_sequence() {
+    let f = Fixture::new();
+    // 4 tokens per step: the decoding sequence's row and 3 prompt tokens.
+    let mut state = chunked(4);
+    let mut decoding = f.admit(&mut state, Begin::Prefilled { first_token: 7 }, 3);
+    let (mut a, mut scored_rx) = f.admission(Begin::Prompt(vec![2, 3, 4, 5, 6]), 1);
+    let (sink, mut scores) = oneshot::channel();
+    a.score = Some(Scoring { top: 2, sink });
+    state.admit(a, &f.tokenizer, &f.metrics);
+    let inputs = state.inputs(&state.plan());
+    assert_eq!(inputs, vec![vec![7], vec![2, 3, 4]]);
+    assert_eq!(state.every_row(&inputs), vec![false, true], "every prompt row is asked for");
+    // Rows: the decoding token, then prompt positions 0..3 (scoring tokens 3, 4, 5).
+    f.step(&mut state, &[8, 3, 4, 5]);
+    assert!(scores.try_recv().is_err(), "scores go out once the prompt is complete");
+    // Then position 3 (scoring token 6) and the prompt's last row, which samples token 9.
+    f.step(&mut state, &[8, 6, 9]);
+    let scored = scores.try_recv().expect("scores");
+    let likeliest: Vec<u32> = scored.iter().map(|l| l.top[0].0).collect();
+    assert_eq!(likeliest, vec![3, 4, 5, 6], "each position scores the prompt token after it");
+    assert!(scored.iter().all(|l| l.logprob > -0.01 && l.top.len() == 2), "{scored:?}");
+    let (texts, finished, error) = drain(&mut scored_rx);
+    assert!(error.is_none());
+    assert_eq!(texts, vec![f.tokenizer.decode(&[9], true).expect("decode")], "the first output token");
+    assert_eq!(finished.expect("finished").completion_tokens, 1);
+    assert_eq!(drain(&mut decoding).0.len(), 3, "the decoding sequence got its own rows");
+    assert!(state.is_empty());
+    assert_eq!(f.blocks.free_blocks(), f.blocks.total_blocks(), "the scored prompt's blocks are free");
 }

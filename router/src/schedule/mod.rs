@@ -484,6 +484,14 @@ impl Scheduler {
             .map(|p| p.addr.clone())
     }
 
+    /// The decode worker with the least load in blocks, not in `exclude` (a prompt scored
+    /// under colocated serving: it needs blocks for the prompt alone, for a moment).
+    pub fn retry_decode_worker(&self, exclude: &[String]) -> Option<String> {
+        let inner = self.lock();
+        let open = inner.fleet.decode.iter().filter(|d| !exclude.contains(&d.addr));
+        open.min_by_key(|d| d.load_blocks()).map(|d| d.addr.clone())
+    }
+
     /// True when a decode worker answers, and a prefill worker too if a pool is configured.
     pub fn ready(&self) -> bool {
         let inner = self.lock();

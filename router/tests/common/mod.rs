@@ -136,6 +136,10 @@ impl DecodeWorker for FakeDecode {
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
+    async fn score(&self, _: Request<pb::ScoreRequest>) -> Result<Response<pb::ScoreResponse>, Status> {
+        Err(Status::unimplemented("the in-test decode worker does not score prompts"))
+    }
+
     async fn load(&self, _: Request<pb::LoadRequest>) -> Result<Response<pb::DecodeLoad>, Status> {
         let load = pb::DecodeLoad {
             free_blocks: self.free_blocks,
