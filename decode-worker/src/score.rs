@@ -52,7 +52,12 @@ impl DecodeService {
     }
 
     /// Checks `req`, takes its blocks and joins it to the batch.
-    fn admit_scored(&self, req: pb::ScoreRequest, span: &StageSpan, labels: StageLabels) -> Result<Joined, DecodeError> {
+    fn admit_scored(
+        &self,
+        req: pb::ScoreRequest,
+        span: &StageSpan,
+        labels: StageLabels,
+    ) -> Result<Joined, DecodeError> {
         let mut job = score_job_from_pb(req, self.engine.model().config())?;
         // One output token: the first after the prompt, as a prefill worker's Score gives.
         job.sampling.max_tokens = 1;

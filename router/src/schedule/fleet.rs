@@ -23,6 +23,8 @@ pub struct DecodeState {
     pub pending_blocks: u32,
     /// Requests this router has on the worker (granted and not finished).
     pub ours: u32,
+    /// `ours` when `load` was taken: fewer now means streams ended since.
+    pub ours_at_load: u32,
     /// The ITL SLO of each of them (the tightest one bounds the step time).
     pub itl_slos: Vec<Duration>,
     /// Blocks of those requests (prompt and output each, shared prefixes counted per
@@ -35,7 +37,16 @@ impl DecodeState {
     pub fn new(addr: String, mut load: pb::DecodeLoad) -> Self {
         let mut prefixes = PrefixIndex::default();
         prefixes.apply(load.cache.take(), load.block_size);
-        DecodeState { addr, load, pending_blocks: 0, ours: 0, itl_slos: Vec::new(), active_blocks: 0, prefixes }
+        DecodeState {
+            addr,
+            load,
+            pending_blocks: 0,
+            ours: 0,
+            ours_at_load: 0,
+            itl_slos: Vec::new(),
+            active_blocks: 0,
+            prefixes,
+        }
     }
 
     /// Load in blocks: this router's active requests', or what the worker uses if more.
@@ -58,16 +69,27 @@ impl DecodeState {
         f64::from(self.free_blocks()) / f64::from(self.load.total_blocks.max(1))
     }
 
+    /// Sequences on the worker: as last seen, less this router's that ended since, or this
+    /// router's own if more.
     fn busy(&self) -> u32 {
-        (self.load.running_sequences + self.load.waiting_transfers).max(self.ours)
+        let seen = self.load.running_sequences + self.load.waiting_transfers;
+        seen.saturating_sub(self.ours_at_load.saturating_sub(self.ours)).max(self.ours)
     }
 
-    /// The step time once the streams granted since the last refresh run too: each added row
-    /// costs about half a row's share of the step (batched rows share the weight reads).
+    /// The step time once the streams granted since the last refresh run too, and without
+    /// this router's streams that ended since: each row added or gone costs about half a
+    /// row's share of the step (batched rows share the weight reads); no row left, no step.
+    /// (Without the ended ones, a client sending its next request as the last one ended was
+    /// refused for the step time of a batch that no longer ran.)
     pub fn predicted_step_ms(&self) -> f64 {
         let rows = (self.load.running_sequences + self.load.waiting_transfers).max(1);
-        let added = self.ours.saturating_sub(rows);
-        self.load.step_ms * (1.0 + f64::from(added) / (2.0 * f64::from(rows)))
+        let ended = self.ours_at_load.saturating_sub(self.ours);
+        let now = rows.max(self.ours).saturating_sub(ended);
+        if now == 0 {
+            return 0.0;
+        }
+        let change = f64::from(now) - f64::from(rows);
+        self.load.step_ms * (1.0 + change / (2.0 * f64::from(rows)))
     }
 
     /// True when a sequence needing `blocks` of a class with ITL SLO `itl` fits now: free
@@ -163,7 +185,7 @@ impl Fleet {
             .map(|(addr, mut load)| match old_d.remove(&addr) {
                 Some(mut d) => {
                     d.prefixes.apply(load.cache.take(), load.block_size);
-                    DecodeState { load, ..d }
+                    DecodeState { load, ours_at_load: d.ours, ..d }
                 }
                 None => DecodeState::new(addr, load),
             })
@@ -345,6 +367,15 @@ mod tests {
         fleet.decode_mut("a").expect("a").ours = 6;
         assert_eq!(fleet.decode_mut("a").expect("a").predicted_step_ms(), 90.0);
         assert!(fleet.best_decode(1, interactive).is_none());
+        // 85 ms steps with this router's 3 streams; as they end the prediction falls with them.
+        fleet.decode_mut("a").expect("a").ours = 3;
+        fleet.apply(vec![("a".into(), pb::DecodeLoad { step_ms: 85.0, ..decode(100, 3, 64) })], vec![]);
+        assert!(fleet.best_decode(1, interactive).is_none());
+        fleet.decode_mut("a").expect("a").ours = 1;
+        assert!((fleet.decode_mut("a").expect("a").predicted_step_ms() - 85.0 * (1.0 - 2.0 / 6.0)).abs() < 1e-9);
+        assert!(fleet.best_decode(1, interactive).is_some(), "two of three streams ended since the refresh");
+        fleet.decode_mut("a").expect("a").ours = 0;
+        assert_eq!(fleet.decode_mut("a").expect("a").predicted_step_ms(), 0.0, "none left: idle");
     }
 
     #[test]
