@@ -198,7 +198,7 @@ async fn echo_scores_the_prompt_on_a_prefill_worker_alone() {
     for name in ["pd_prefix_cache_queries_total", "pd_kv_transfer_bytes_total"] {
         assert_eq!(sample(&decode_after, name), sample(&decode_before, name), "{name}: no reservation, no transfer");
     }
-    grpc_echo(&cluster, prompt_tokens, &logprobs).await;
+    grpc_echo(&cluster, prompt_tokens, &logprobs, 1e-4).await;
     agrees_with_llamacpp(&cluster).await;
     cluster.wait_kv_free(Duration::from_secs(5)).await;
 }
@@ -215,7 +215,9 @@ async fn colocated_echo_scores_the_prompt_in_the_decode_batch() {
     let (prompt_tokens, logprobs) = echo_scored(&cluster).await;
     let answer: Value = streaming.await.expect("task").expect("request").json().await.expect("json");
     assert_eq!(contents(&answer), vec![engine_answer(QUESTION, 48)], "the stream beside the scoring");
-    grpc_echo(&cluster, prompt_tokens, &logprobs).await;
+    // The HTTP scores were computed in chunks cut around the chat's prompt, the gRPC ones in
+    // 16-token chunks alone: other matrix shapes, other rounding (seen up to 4.5e-4).
+    grpc_echo(&cluster, prompt_tokens, &logprobs, 2e-3).await;
     agrees_with_llamacpp(&cluster).await;
     cluster.wait_kv_free(Duration::from_secs(5)).await;
 }
@@ -245,10 +247,10 @@ async fn echo_scored(cluster: &Cluster) -> (usize, Vec<Value>) {
     (prompt_tokens, logprobs)
 }
 
-/// `echo` over gRPC: the prompt's tokens marked `prompt`, scored as over HTTP; with nothing
-/// generated (`max_tokens` unset) no decode worker is involved; with `max_tokens` 4 the
-/// greedy generation follows, as without `echo`.
-async fn grpc_echo(cluster: &Cluster, prompt_tokens: usize, http_logprobs: &[Value]) {
+/// `echo` over gRPC: the prompt's tokens marked `prompt`, scored as over HTTP (within `bound`);
+/// with nothing generated (`max_tokens` unset) no decode worker is involved; with `max_tokens`
+/// 4 the greedy generation follows, as without `echo`.
+async fn grpc_echo(cluster: &Cluster, prompt_tokens: usize, http_logprobs: &[Value], bound: f32) {
     let client =
         pb::generation_client::GenerationClient::connect(format!("http://{}", cluster.grpc)).await.expect("grpc");
     let ask = |max_tokens: u32| {
@@ -274,12 +276,17 @@ async fn grpc_echo(cluster: &Cluster, prompt_tokens: usize, http_logprobs: &[Val
     assert_eq!((scored.len(), done.prompt_tokens as usize, done.completion_tokens), (prompt_tokens, prompt_tokens, 0));
     assert!(scored.iter().all(|t| t.prompt), "every token is the prompt's");
     assert!(scored[0].logprobs.is_none(), "the first prompt token has nothing before it");
+    let mut worst = (0.0f32, 0);
     for (i, t) in scored.iter().enumerate().skip(1) {
         let l = t.logprobs.as_ref().expect("scored");
         let http = http_logprobs[i].as_f64().expect("http logprob") as f32;
-        assert!((l.logprob - http).abs() < 1e-4, "position {i}: gRPC {} vs HTTP {http}", l.logprob);
+        if (l.logprob - http).abs() > worst.0 {
+            worst = ((l.logprob - http).abs(), i);
+        }
         assert_eq!(l.top.len(), 2, "two alternatives");
     }
+    eprintln!("echo: gRPC and HTTP prompt logprobs differ by at most {} (position {})", worst.0, worst.1);
+    assert!(worst.0 < bound, "position {}: gRPC and HTTP differ by {} (bound {bound})", worst.1, worst.0);
     let text: String = scored.iter().map(|t| t.text.as_str()).collect();
     assert_eq!(text, QUESTION);
     let decode_after = Cluster::scrape(&cluster.decode_metrics).await;
