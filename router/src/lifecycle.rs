@@ -53,6 +53,33 @@ pub use crate::updates::Updates;
 /// Decode workers a request may lose before it fails.
 pub const MIGRATION_LIMIT: u32 = 3;
 
+/// Decode workers a leg may find unavailable as it opens (shutting down in a rolling update,
+/// or unreachable) before it fails: each is quarantined and the leg is granted another.
+const OPEN_TRIES: u32 = 3;
+
+/// Why a leg did not open; `unavailable` names a decode worker that answered UNAVAILABLE
+/// before its stream began (no token sent, no prefill started), so another may take the leg.
+struct OpenFailed {
+    error: RouterError,
+    unavailable: Option<String>,
+}
+
+impl From<RouterError> for OpenFailed {
+    fn from(error: RouterError) -> Self {
+        OpenFailed { error, unavailable: None }
+    }
+}
+
+impl OpenFailed {
+    /// The decode worker to pass over before the next try, while tries are left
+    /// (`tried` so far); logged.
+    fn retry_elsewhere(&self, tried: u32, request_id: &str) -> Option<&str> {
+        let addr = self.unavailable.as_deref().filter(|_| tried < OPEN_TRIES)?;
+        tracing::warn!(request_id, decode_worker = addr, error = %self.error, "decode worker unavailable as the stream opened: trying another");
+        Some(addr)
+    }
+}
+
 /// Aborts a task when dropped.
 struct AbortOnDrop<T>(JoinHandle<T>);
 
@@ -75,7 +102,7 @@ async fn open_decode(
     req: &ValidRequest,
     record: &RequestRecord,
     transfer: &str,
-) -> Result<Opened, RouterError> {
+) -> Result<Opened, OpenFailed> {
     let prefill_here = route.prefill.is_none();
     let request = pb::DecodeRequest {
         request_id: transfer.to_owned(),
@@ -87,11 +114,15 @@ async fn open_decode(
         output_offset: req.params.output_offset as u32,
     };
     let call = route.decode.client.generate(traced(request, record.span().context(), record.class()));
+    let refused = |status: tonic::Status| {
+        let unavailable = (status.code() == tonic::Code::Unavailable).then(|| route.decode.addr.clone());
+        OpenFailed { error: decode_error(status), unavailable }
+    };
     let mut events = match call.await {
         Ok(r) => r.into_inner(),
         Err(status) => {
             pools.decode.forget(&route.decode.addr);
-            return Err(decode_error(status));
+            return Err(refused(status));
         }
     };
     if prefill_here {
@@ -99,8 +130,8 @@ async fn open_decode(
     }
     match events.message().await {
         Ok(Some(pb::DecodeEvent { event: Some(Event::Target(t)) })) => Ok(Opened { events, target: Some(t) }),
-        Ok(_) => Err(RouterError::Worker { stage: "decode", message: "no KV target".into() }),
-        Err(status) => Err(decode_error(status)),
+        Ok(_) => Err(RouterError::Worker { stage: "decode", message: "no KV target".into() }.into()),
+        Err(status) => Err(refused(status)),
     }
 }
 
@@ -205,7 +236,7 @@ async fn open_leg(
     record: &mut RequestRecord,
     grant: Grant,
     part: Part,
-) -> Result<Leg, RouterError> {
+) -> Result<Leg, OpenFailed> {
     let metrics = record.metrics().clone();
     record.router_queue_ms.get_or_insert(grant.waited.as_secs_f64() * 1e3);
     let mut chosen = route(&origin.scheduler.pools, grant, &metrics, record)?;
@@ -235,9 +266,19 @@ pub async fn start(
 ) -> Result<Updates, RouterError> {
     let origin = Origin { scheduler, text, req: req.clone(), class };
     let leg = async {
-        let grant = queue(&origin.scheduler, &origin.class, req, &record).await?;
-        let part = Part { answers: (0..req.n as u32).collect(), offset: 0, transfer: record.request_id.clone() };
-        open_leg(&origin, req, &mut record, grant, part).await
+        let mut tried = 0;
+        loop {
+            let grant = queue(&origin.scheduler, &origin.class, req, &record).await?;
+            let part = Part { answers: (0..req.n as u32).collect(), offset: 0, transfer: record.request_id.clone() };
+            tried += 1;
+            match open_leg(&origin, req, &mut record, grant, part).await {
+                Ok(leg) => return Ok(leg),
+                Err(e) => match e.retry_elsewhere(tried, &record.request_id) {
+                    Some(addr) => origin.scheduler.quarantine(addr, origin.scheduler.config.quarantine),
+                    None => return Err(e.error),
+                },
+            }
+        }
     }
     .await;
     let leg = match leg {
@@ -513,12 +554,23 @@ impl RelayTask {
             req.n = 1;
             let offset = sent.len();
             let prompt = Arc::new(crate::schedule::Prompt::new(req.prompt_tokens.clone()));
-            let pending =
-                scheduler.submit_migrated(&self.origin.class, prompt, req.params.max_tokens).map_err(failed)?;
-            let grant = pending.granted().await.map_err(failed)?;
-            let transfer = format!("{}-m{}a{i}", self.record.request_id, self.migrations);
-            let part = Part { answers: vec![i], offset, transfer };
-            let leg = open_leg(&self.origin, &req, &mut self.record, grant, part).await.map_err(failed)?;
+            let mut tried = 0;
+            let leg = loop {
+                let pending = scheduler
+                    .submit_migrated(&self.origin.class, prompt.clone(), req.params.max_tokens)
+                    .map_err(failed)?;
+                let grant = pending.granted().await.map_err(failed)?;
+                let transfer = format!("{}-m{}a{i}", self.record.request_id, self.migrations);
+                let part = Part { answers: vec![i], offset, transfer };
+                tried += 1;
+                match open_leg(&self.origin, &req, &mut self.record, grant, part).await {
+                    Ok(leg) => break leg,
+                    Err(e) => match e.retry_elsewhere(tried, &self.record.request_id) {
+                        Some(addr) => scheduler.quarantine(addr, scheduler.config.quarantine),
+                        None => return Err(failed(e.error)),
+                    },
+                }
+            };
             self.legs.push(leg);
         }
         Ok(ended)

@@ -85,6 +85,34 @@ async fn the_decode_worker_with_the_most_free_blocks_is_chosen() {
     assert_eq!((small.requests.load(Ordering::SeqCst), big.requests.load(Ordering::SeqCst)), (0, 3));
 }
 
+/// A rolling update: the decode worker chosen first (most free blocks) is shutting down and
+/// refuses the stream (UNAVAILABLE) before the router's refresh has seen it go; the request
+/// opens on the other one, and the refusing worker is passed over after that.
+#[tokio::test]
+async fn a_decode_worker_refusing_as_it_shuts_down_is_replaced_by_another() {
+    let commits = Commits::default();
+    let mut leaving = FakeDecode::new(500, &commits);
+    leaving.refuse = Some(tonic::Code::Unavailable);
+    let staying = FakeDecode::new(10, &commits);
+    let prefill = FakePrefill::new(&commits);
+    let decode = vec![serve_decode(leaving.clone()).await, serve_decode(staying.clone()).await];
+    let router = start_router(vec![serve_prefill(prefill).await], decode).await;
+    for _ in 0..3 {
+        let whole: Value = chat(&router, hello(3, false)).await.json().await.expect("json");
+        assert_eq!(whole["choices"][0]["message"]["content"], "Hello, world", "{whole}");
+    }
+    assert_eq!((leaving.requests.load(Ordering::SeqCst), staying.requests.load(Ordering::SeqCst)), (1, 3));
+    // With no other decode worker, the refusal reaches the client after the tries.
+    let mut alone = FakeDecode::new(500, &commits);
+    alone.refuse = Some(tonic::Code::Unavailable);
+    let prefill = FakePrefill::new(&commits);
+    let router = start_router(vec![serve_prefill(prefill).await], vec![serve_decode(alone.clone()).await]).await;
+    let r = chat(&router, hello(3, false)).await;
+    assert_eq!(r.status().as_u16(), 503);
+    assert!(r.text().await.expect("body").contains("shutting down"));
+    assert_eq!(alone.requests.load(Ordering::SeqCst), 3, "tried three times, then the error");
+}
+
 #[tokio::test]
 async fn a_failing_prefill_worker_is_replaced_by_another() {
     let commits = Commits::default();

@@ -47,6 +47,8 @@ pub struct FakeDecode {
     pub fail_after_first: Option<tonic::Code>,
     /// Streams `max_tokens` tokens (cycling through `TOKENS`) instead of at most `TOKENS`.
     pub cycle: bool,
+    /// Refuses every stream with this status (as a worker shutting down does), if set.
+    pub refuse: Option<tonic::Code>,
 }
 
 impl FakeDecode {
@@ -60,6 +62,7 @@ impl FakeDecode {
             token_delay: Duration::from_millis(5),
             fail_after_first: None,
             cycle: false,
+            refuse: None,
         }
     }
 }
@@ -131,6 +134,9 @@ impl DecodeWorker for FakeDecode {
         self.requests.fetch_add(1, Ordering::SeqCst);
         let max_tokens = request.get_ref().sampling.as_ref().map_or(0, |s| s.max_tokens);
         self.last_max_tokens.store(max_tokens as usize, Ordering::SeqCst);
+        if let Some(code) = self.refuse {
+            return Err(Status::new(code, "the decode worker is shutting down"));
+        }
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(self.clone().stream(request.into_inner(), tx));
         Ok(Response::new(ReceiverStream::new(rx)))
