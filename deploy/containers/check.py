@@ -214,9 +214,11 @@ class Check:
         self.pools = {role: [f"pd-{role}-{i}" for i in (0, 1)] for role in cluster.ROLES}
         self.numbers = itertools.count(2)
 
-    def scenario(self, name, fault, lost_from=None, warm=1.5, after=2.5):
-        """Runs `fault` under load; `lost_from`: the router whose own streams may be lost, with
-        the time of its kill (set by the fault)."""
+    def scenario(self, name, fault, warm=1.5, after=2.5):
+        """Runs `fault` under load, `warm` seconds in, and the load `after` seconds more. What
+        `fault` returns is reported; its `require` entries must hold; its `killed` (a router,
+        when its kill was issued and when it returned) allows that router's own streams to be
+        lost."""
         began = time.monotonic()
         problems, facts = [], {}
         try:
