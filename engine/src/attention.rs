@@ -30,13 +30,59 @@ pub(crate) struct SeqPlan {
     /// For the gather path: the slots as a tensor and the causal mask, built once per step
     /// and shared by every layer.
     gather: Option<GatherInputs>,
+    /// The same for the sliding-window layers (when `heads.window` is set): only the keys
+    /// some row of the step can see, and the mask that also hides those behind each row's
+    /// window.
+    window_gather: Option<GatherInputs>,
 }
 
 #[derive(Debug, Clone)]
 struct GatherInputs {
+    /// Cache slots of the keys gathered (positions `first ..= last row's`).
     slots: Tensor,
-    /// `[1, group * rows, ctx]`: 0 where a query may attend, -inf elsewhere.
+    /// `[1, group * rows, keys]`: 0 where a query may attend, -inf elsewhere.
     mask: Tensor,
+}
+
+impl GatherInputs {
+    /// The keys from position `first` on, for query rows at `start_pos ..`, each seeing the
+    /// `window` keys up to itself (0: every key up to itself).
+    fn new(
+        all_slots: &[u32],
+        rows: usize,
+        start_pos: usize,
+        group: usize,
+        window: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        let ctx = start_pos + rows;
+        let first = first_key(start_pos, window);
+        // Row r of a group is query i = r % rows at position start_pos + i.
+        let mask: Vec<f32> = (0..group * rows)
+            .flat_map(|r| {
+                let pos = start_pos + r % rows;
+                (first..ctx).map(move |j| if sees(pos, j, window) { 0.0 } else { f32::NEG_INFINITY })
+            })
+            .collect();
+        Ok(GatherInputs {
+            slots: Tensor::from_slice(&all_slots[first..ctx], ctx - first, device)?,
+            mask: Tensor::from_vec(mask, (1, group * rows, ctx - first), device)?,
+        })
+    }
+}
+
+/// Whether a query at position `pos` sees the key at `key` (causal, and within `window`
+/// keys of itself when `window` is not 0: transformers' `kv_idx > q_idx - sliding_window`).
+fn sees(pos: usize, key: usize, window: usize) -> bool {
+    key <= pos && (window == 0 || pos - key < window)
+}
+
+/// The first key position a query at `pos` sees.
+fn first_key(pos: usize, window: usize) -> usize {
+    match window {
+        0 => 0,
+        w => (pos + 1).saturating_sub(w),
+    }
 }
 
 impl SeqPlan {
@@ -48,23 +94,21 @@ impl SeqPlan {
         heads: Heads,
         device: &Device,
     ) -> Result<Self> {
-        let mut plan = SeqPlan { row_start, rows, start_pos, slots, heads, gather: None };
+        let mut plan = SeqPlan { row_start, rows, start_pos, slots, heads, gather: None, window_gather: None };
         if !plan.uses_direct_kernel(device) {
-            let ctx = start_pos + rows;
             let group = heads.num_heads / heads.num_kv_heads;
-            // Row r of a group is query i = r % rows at position start_pos + i; it sees keys j <= that.
-            let mask: Vec<f32> = (0..group * rows)
-                .flat_map(|r| {
-                    let visible = start_pos + r % rows;
-                    (0..ctx).map(move |j| if j <= visible { 0.0 } else { f32::NEG_INFINITY })
-                })
-                .collect();
-            plan.gather = Some(GatherInputs {
-                slots: Tensor::from_slice(&plan.slots[..ctx], ctx, device)?,
-                mask: Tensor::from_vec(mask, (1, group * rows, ctx), device)?,
-            });
+            plan.gather = Some(GatherInputs::new(&plan.slots, rows, start_pos, group, 0, device)?);
+            if heads.window > 0 {
+                plan.window_gather =
+                    Some(GatherInputs::new(&plan.slots, rows, start_pos, group, heads.window, device)?);
+            }
         }
         Ok(plan)
+    }
+
+    /// The cache slots a decode row reads in a layer of `window` (0: all of them).
+    fn decode_slots(&self, window: usize) -> &[u32] {
+        &self.slots[first_key(self.start_pos, window)..self.start_pos + 1]
     }
 
     /// Decode rows read the cache in place (on CPU, and on CUDA with the `cuda` build for
@@ -93,6 +137,10 @@ pub(crate) struct Heads {
     pub head_dim: usize,
     /// Scores become `softcap * tanh(score / softcap)` before the softmax (Gemma 2); 0: off.
     pub softcap: f32,
+    /// Keys a query sees, itself included, in a sliding-window layer; 0: every earlier key.
+    /// A plan is made with the model's window (its masks serve every layer), and each
+    /// layer's attention is called with its own.
+    pub window: usize,
 }
 
 /// Gemma 2's attention logit soft-capping, in place (nothing when `cap` is 0).
@@ -141,12 +189,13 @@ pub(crate) fn paged_attention(
 
 /// Prefill-chunk attention: gather this sequence's K/V, then masked matmuls.
 fn gathered_attention(q: &Tensor, cache: &KvCache, layer: usize, plan: &SeqPlan, heads: Heads) -> Result<Tensor> {
-    let Heads { num_heads, num_kv_heads, head_dim, softcap } = heads;
+    let Heads { num_heads, num_kv_heads, head_dim, softcap, window } = heads;
     let group = num_heads / num_kv_heads;
     let n = plan.rows;
-    let ctx = plan.start_pos + n;
+    let inputs = if window > 0 { &plan.window_gather } else { &plan.gather };
     let inputs =
-        plan.gather.as_ref().ok_or_else(|| EngineError::InvalidBatch("gather inputs missing from the plan".into()))?;
+        inputs.as_ref().ok_or_else(|| EngineError::InvalidBatch("gather inputs missing from the plan".into()))?;
+    let ctx = inputs.slots.dim(0)?;
     let (k, v) = cache.gather(layer, &inputs.slots)?;
     // [ctx, kvh*hd] -> [kvh, ctx, hd]
     let k = k.reshape((ctx, num_kv_heads, head_dim))?.transpose(0, 1)?.contiguous()?;
@@ -179,7 +228,7 @@ fn decode_on_cuda(
 ) -> Result<Tensor> {
     let rows: Vec<u32> = which.iter().map(|&i| plans[i].row_start as u32).collect();
     let q_rows = q.index_select(&Tensor::from_vec(rows, which.len(), q.device())?, 0)?;
-    let contexts: Vec<&[u32]> = which.iter().map(|&i| &plans[i].slots[..plans[i].start_pos + 1]).collect();
+    let contexts: Vec<&[u32]> = which.iter().map(|&i| plans[i].decode_slots(heads.window)).collect();
     let (k_cache, v_cache) = cache.layer(layer);
     crate::cuda::attention::paged_decode(&q_rows, k_cache, v_cache, &contexts, heads)
 }
@@ -229,7 +278,7 @@ impl DecodeRows<'_> {
         let one = |&i: &usize| {
             let plan = &self.plans[i];
             let q_row = &self.q_all[plan.row_start * width..(plan.row_start + 1) * width];
-            let slots = &plan.slots[..plan.start_pos + 1];
+            let slots = plan.decode_slots(self.heads.window);
             #[cfg(target_arch = "x86_64")]
             if wide {
                 // SAFETY: `wide` means AVX-512 F was detected.
@@ -284,7 +333,7 @@ unsafe fn decode_groups_avx512<E: Widen, const D: usize, const G: usize>(
     heads: Heads,
 ) -> Vec<f32> {
     use std::arch::x86_64::*;
-    let Heads { num_heads, num_kv_heads, head_dim, softcap } = heads;
+    let Heads { num_heads, num_kv_heads, head_dim, softcap, .. } = heads;
     assert!(
         head_dim == 16 * D && num_heads == G * num_kv_heads && q.len() == num_heads * head_dim,
         "decode_groups_avx512: shapes"
@@ -352,7 +401,7 @@ unsafe fn decode_groups_avx512<E: Widen, const D: usize, const G: usize>(
 /// the AVX-512 loops (head_dim a multiple of 16).
 #[inline(always)]
 fn decode_one<E: Widen>(q: &[f32], k_all: &[E], v_all: &[E], slots: &[u32], heads: Heads, wide: bool) -> Vec<f32> {
-    let Heads { num_heads, num_kv_heads, head_dim, softcap } = heads;
+    let Heads { num_heads, num_kv_heads, head_dim, softcap, .. } = heads;
     let group = num_heads / num_kv_heads;
     let kv_width = num_kv_heads * head_dim;
     let ctx = slots.len();
@@ -614,17 +663,30 @@ mod tests {
 
     /// The direct decode kernel and the gather+matmul path agree on scattered blocks, for both
     /// cache element types, with a toy geometry (portable loops) and SmolLM2's (64-wide heads,
-    /// 3 query heads per KV head: the grouped AVX-512 kernel where the CPU has it).
+    /// 3 query heads per KV head: the grouped AVX-512 kernel where the CPU has it), with and
+    /// without a sliding window.
     #[test]
     fn decode_kernel_matches_gathered_path() -> Result<()> {
+        let h = |num_heads, num_kv_heads, head_dim, softcap, window| Heads {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            softcap,
+            window,
+        };
         for dtype in [KvCacheDType::F32, KvCacheDType::F16] {
             for heads in [
-                Heads { num_heads: 4, num_kv_heads: 2, head_dim: 8, softcap: 0.0 },
-                Heads { num_heads: 9, num_kv_heads: 3, head_dim: 64, softcap: 0.0 },
-                Heads { num_heads: 4, num_kv_heads: 2, head_dim: 128, softcap: 0.0 },
+                h(4, 2, 8, 0.0, 0),
+                h(9, 3, 64, 0.0, 0),
+                h(4, 2, 128, 0.0, 0),
                 // Gemma 2's soft-capping, in the portable and the grouped kernels.
-                Heads { num_heads: 4, num_kv_heads: 2, head_dim: 8, softcap: 1.5 },
-                Heads { num_heads: 4, num_kv_heads: 2, head_dim: 128, softcap: 1.5 },
+                h(4, 2, 8, 1.5, 0),
+                h(4, 2, 128, 1.5, 0),
+                // Windows shorter than the context (1: a row sees itself only), and longer.
+                h(4, 2, 8, 0.0, 4),
+                h(9, 3, 64, 0.0, 5),
+                h(4, 2, 128, 1.5, 1),
+                h(4, 2, 8, 0.0, 64),
             ] {
                 decode_kernel_matches_gathered_path_with(dtype, heads)?;
             }
@@ -632,7 +694,8 @@ mod tests {
         Ok(())
     }
 
-    fn decode_kernel_matches_gathered_path_with(dtype: KvCacheDType, heads: Heads) -> Result<()> {
+    /// A one-layer model of `heads` and a cache whose 32 slots hold random K/V.
+    fn filled_cache(dtype: KvCacheDType, heads: Heads) -> Result<(ModelConfig, KvCache)> {
         let model = ModelConfig {
             vocab_size: 8,
             hidden_size: heads.num_heads * heads.head_dim,
@@ -656,23 +719,66 @@ mod tests {
         let index: Vec<u32> = (0..slots_total as u32).flat_map(|s| std::iter::repeat_n(s, kv_width)).collect();
         let index = Tensor::from_vec(index, (slots_total, kv_width), &Device::Cpu)?;
         cache.write(0, &index, &k, &v)?;
-        // 11 positions over blocks 5, 2, 7 (scattered, last one partly used).
-        let slots: Vec<u32> = (0..11u32).map(|p| [5u32, 2, 7][(p / 4) as usize] * 4 + p % 4).collect();
-        let plan = SeqPlan::new(0, 1, 10, slots.clone(), heads, &Device::Cpu)?;
-        // The same rows through the gather path (as a non-CPU device would run them).
-        let mut gather_plan = SeqPlan::new(0, 2, 9, slots, heads, &Device::Cpu)?;
-        gather_plan.rows = 1;
-        gather_plan.start_pos = 10;
-        let ctx = 11;
+        Ok((model, cache))
+    }
+
+    /// 11 positions over blocks 5, 2, 7 (scattered, last one partly used).
+    fn scattered_slots() -> Vec<u32> {
+        (0..11u32).map(|p| [5u32, 2, 7][(p / 4) as usize] * 4 + p % 4).collect()
+    }
+
+    /// A plan for `rows` rows at `start_pos` that takes the gather path (as a non-CPU
+    /// device would run decode rows).
+    fn gather_plan(rows: usize, start_pos: usize, slots: Vec<u32>, heads: Heads) -> Result<SeqPlan> {
         let group = heads.num_heads / heads.num_kv_heads;
-        let mask = Tensor::zeros((1, group, ctx), candle_core::DType::F32, &Device::Cpu)?;
-        gather_plan.gather =
-            Some(GatherInputs { slots: Tensor::from_slice(&gather_plan.slots, ctx, &Device::Cpu)?, mask });
+        let inputs = |window| GatherInputs::new(&slots, rows, start_pos, group, window, &Device::Cpu);
+        let (gather, window_gather) = (Some(inputs(0)?), Some(inputs(heads.window)?));
+        Ok(SeqPlan { row_start: 0, rows, start_pos, slots, heads, gather, window_gather })
+    }
+
+    fn decode_kernel_matches_gathered_path_with(dtype: KvCacheDType, heads: Heads) -> Result<()> {
+        let (model, cache) = filled_cache(dtype, heads)?;
+        let slots = scattered_slots();
+        let plan = SeqPlan::new(0, 1, 10, slots.clone(), heads, &Device::Cpu)?;
+        let gather_plan = gather_plan(1, 10, slots, heads)?;
         let q = Tensor::randn(0f32, 1.0, (1, model.hidden_size), &Device::Cpu)?;
         let direct = paged_attention(&q, &cache, 0, std::slice::from_ref(&plan), heads)?;
         let gathered = gathered_attention(&q, &cache, 0, &gather_plan, heads)?;
         let diff = (direct - gathered)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff < 1e-5, "{dtype:?} {heads:?}: max difference {diff}");
         Ok(())
+    }
+
+    /// A prefill chunk's rows see what each row would see as a decode step (the mask of a
+    /// sliding window included), and the window changes the result where it is shorter
+    /// than the context.
+    #[test]
+    fn a_chunk_attends_as_its_rows_would_one_by_one() -> Result<()> {
+        for window in [0, 3, 6] {
+            let heads = Heads { num_heads: 4, num_kv_heads: 2, head_dim: 8, softcap: 0.0, window };
+            let (model, cache) = filled_cache(KvCacheDType::F32, heads)?;
+            let (rows, start_pos) = (4, 7);
+            let q = Tensor::randn(0f32, 1.0, (rows, model.hidden_size), &Device::Cpu)?;
+            let chunk = gather_plan(rows, start_pos, scattered_slots(), heads)?;
+            let together = gathered_attention(&q, &cache, 0, &chunk, heads)?;
+            let full = gathered_attention(&q, &cache, 0, &chunk, Heads { window: 0, ..heads })?;
+            for r in 0..rows {
+                let plan = SeqPlan::new(0, 1, start_pos + r, scattered_slots(), heads, &Device::Cpu)?;
+                let alone = paged_attention(&q.narrow(0, r, 1)?, &cache, 0, std::slice::from_ref(&plan), heads)?;
+                let diff = (together.narrow(0, r, 1)? - alone)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert!(diff < 1e-5, "window {window}, row {r}: max difference {diff}");
+            }
+            let changed = (together - full)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert_eq!(window > 0, changed > 1e-3, "window {window}: the window changed the result by {changed}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_window_counts_the_query_itself() {
+        assert!(sees(10, 10, 1) && !sees(10, 9, 1));
+        assert!(sees(10, 7, 4) && !sees(10, 6, 4) && !sees(10, 11, 4));
+        assert!(sees(10, 0, 0));
+        assert_eq!((first_key(10, 4), first_key(2, 4), first_key(10, 0)), (7, 0, 0));
     }
 }

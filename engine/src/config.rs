@@ -13,8 +13,8 @@ pub enum RopeStyle {
 }
 
 /// Hyperparameters of the decoder families the engine runs: Llama (and its context-extended
-/// Llama 3.x), Mistral, Phi-3, Qwen2 / Qwen2.5, Qwen3 and Gemma 2, which differ from Llama in
-/// the optional `parts`.
+/// Llama 3.x), Mistral, Phi-3, Qwen2 / Qwen2.5, Qwen3, Gemma 2 and Gemma 3, which differ from
+/// Llama in the optional `parts`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
     pub vocab_size: usize,
@@ -57,6 +57,31 @@ pub struct DecoderParts {
     pub attn_softcap: Option<f32>,
     /// Logits become `cap * tanh(logit / cap)` (Gemma 2, `final_logit_softcapping`).
     pub final_softcap: Option<f32>,
+    /// Layers that attend only to the most recent positions (Mistral, Phi-3, Gemma 2 and 3).
+    pub sliding_window: Option<SlidingWindow>,
+    /// Rotary base of the sliding-window layers, with plain frequencies, where it differs
+    /// from the model's (Gemma 3's `rope_local_base_freq`; its global layers keep
+    /// `rope_theta` and the scaling).
+    pub local_rope_theta: Option<f32>,
+}
+
+/// Sliding-window attention: in the layers it names, a query at position `p` sees the keys
+/// at `p - size + 1 ..= p` (transformers' `sliding_window`); the other layers see every
+/// position. The cache keeps every position's K/V either way (a prompt's KV is shipped and
+/// prefix-cached whole).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlidingWindow {
+    /// Keys a query sees, itself included.
+    pub size: usize,
+    /// `layers[i]`: whether layer `i` slides.
+    pub layers: Vec<bool>,
+}
+
+impl SlidingWindow {
+    /// The window of layer `i` (`None`: the layer sees every position).
+    pub fn of_layer(&self, i: usize) -> Option<usize> {
+        self.layers.get(i).copied().unwrap_or(false).then_some(self.size)
+    }
 }
 
 /// The activation of the MLP's gate.
@@ -112,9 +137,22 @@ impl ModelConfig {
             ("attn_logit_softcapping", self.parts.attn_softcap),
             ("final_logit_softcapping", self.parts.final_softcap),
             ("embedding scale", self.parts.embed_scale),
+            ("rope_local_base_freq", self.parts.local_rope_theta),
         ] {
             if let Some(v) = value.filter(|v| !(v.is_finite() && *v > 0.0)) {
                 return Err(EngineError::Metadata(format!("{name} ({v}) must be a positive number")));
+            }
+        }
+        if let Some(w) = &self.parts.sliding_window {
+            if w.size == 0 {
+                return Err(EngineError::Metadata("sliding_window must be positive".into()));
+            }
+            if w.layers.len() != self.num_layers {
+                return Err(EngineError::Metadata(format!(
+                    "sliding-window layer list has {} entries for {} layers",
+                    w.layers.len(),
+                    self.num_layers
+                )));
             }
         }
         self.rope_scaling.validate()

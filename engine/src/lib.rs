@@ -28,7 +28,7 @@ pub mod tokenizer;
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{
     set_compute_threads, Activation, CacheConfig, DecoderParts, DeviceKind, KvCacheDType, LoadOptions, ModelConfig,
-    RopeScaling, RopeStyle, WeightFormat,
+    RopeScaling, RopeStyle, SlidingWindow, WeightFormat,
 };
 pub use constraint::OutputConstraint;
 pub use engine::{load_model, load_text_side, Engine, Generation, LoadedModel, TextSide};

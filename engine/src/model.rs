@@ -1,6 +1,8 @@
 //! The forward pass of Llama-style decoders (Llama, Mistral, Qwen2 with Q/K/V biases, Qwen3
-//! with per-head Q/K norms) over an external paged KV cache, in candle's order: config, small
-//! blocks with `load`, then the model. The cache is passed in, never owned by the weights.
+//! with per-head Q/K norms, Gemma 2 and 3 with their extra norms, caps and sliding-window
+//! layers on a rotary base of their own) over an external paged KV cache, in candle's order:
+//! config, small blocks with `load`, then the model. The cache is passed in, never owned by
+//! the weights.
 //!
 //! One `forward` call runs a batch whose rows are the new tokens of several sequences, each at
 //! its own position: prefill chunks (many rows) and decode steps (one row) mix freely. Every
@@ -118,6 +120,10 @@ pub struct Model {
     /// `[max_position, head_dim / 2]` rotary tables.
     cos: Tensor,
     sin: Tensor,
+    /// The sliding-window layers' own tables, where their rotary base differs (Gemma 3).
+    local_rope: Option<(Tensor, Tensor)>,
+    /// Each layer's attention window (0: every earlier position).
+    windows: Vec<usize>,
     device: Device,
     /// Identifies model + weight format, so KV from another model is refused.
     fingerprint: u64,
@@ -236,7 +242,14 @@ impl Model {
         if let Some(name) = source.unused().into_iter().next() {
             return Err(EngineError::UnusedTensor(name));
         }
-        let (cos, sin) = rope_tables(c, device)?;
+        let (cos, sin) = rope_tables(c, &c.rope_scaling, c.rope_theta, device)?;
+        let local_rope = match c.parts.local_rope_theta {
+            Some(theta) => Some(rope_tables(c, &crate::rope::RopeScaling::None, theta, device)?),
+            None => None,
+        };
+        let windows = (0..c.num_layers)
+            .map(|i| c.parts.sliding_window.as_ref().and_then(|w| w.of_layer(i)).unwrap_or(0))
+            .collect();
         Ok(Model {
             fingerprint: fnv1a64(&fingerprint_data),
             config,
@@ -246,6 +259,8 @@ impl Model {
             lm_head,
             cos,
             sin,
+            local_rope,
+            windows,
             device: device.clone(),
         })
     }
@@ -303,7 +318,10 @@ impl Model {
             return Err(EngineError::InvalidBatch("KV cache geometry does not match the model".into()));
         }
         let softcap = c.parts.attn_softcap.unwrap_or(0.0);
-        let heads = Heads { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim: c.head_dim, softcap };
+        // Plans carry the masks of the model's window; each layer attends with its own.
+        let window = self.windows.iter().copied().max().unwrap_or(0);
+        let heads =
+            Heads { num_heads: c.num_heads, num_kv_heads: c.num_kv_heads, head_dim: c.head_dim, softcap, window };
         let mut ids = Vec::new();
         let mut positions = Vec::new();
         let mut plans = Vec::with_capacity(batch.len());
@@ -340,8 +358,13 @@ impl Model {
         let ids = Tensor::from_vec(ids, rows, dev)?;
         let positions = Tensor::from_vec(positions, rows, dev)?;
         let half = c.head_dim / 2;
-        let cos = self.cos.index_select(&positions, 0)?.reshape((rows, 1, half))?;
-        let sin = self.sin.index_select(&positions, 0)?.reshape((rows, 1, half))?;
+        let at_positions =
+            |table: &Tensor| -> Result<Tensor> { Ok(table.index_select(&positions, 0)?.reshape((rows, 1, half))?) };
+        let (cos, sin) = (at_positions(&self.cos)?, at_positions(&self.sin)?);
+        let local = match &self.local_rope {
+            Some((cos, sin)) => Some((at_positions(cos)?, at_positions(sin)?)),
+            None => None,
+        };
         let new_slots: Vec<u32> = plans
             .iter()
             .flat_map(|p| p.slots[p.start_pos..p.start_pos + p.rows].iter().copied())
@@ -373,11 +396,13 @@ impl Model {
                     Ok::<_, EngineError>((per_head(&q, q_norm)?, per_head(&k, k_norm)?))
                 })?;
             }
+            let window = self.windows[layer_idx];
+            let (cos, sin) = match &local {
+                Some((cos, sin)) if window > 0 => (cos, sin),
+                _ => (&cos, &sin),
+            };
             let (mut q, k) = timed(Op::Rope, || {
-                Ok::<_, EngineError>((
-                    self.rope(&q, c.num_heads, &cos, &sin)?,
-                    self.rope(&k, c.num_kv_heads, &cos, &sin)?,
-                ))
+                Ok::<_, EngineError>((self.rope(&q, c.num_heads, cos, sin)?, self.rope(&k, c.num_kv_heads, cos, sin)?))
             })?;
             if let Some(f) = query_factor {
                 q = (q * f)?;
@@ -387,7 +412,8 @@ impl Model {
             if layer_done(layer_idx).is_break() {
                 return Err(EngineError::Preempted { layers: layer_idx + 1 });
             }
-            let attn = timed(Op::Attention, || paged_attention(&q, cache, layer_idx, &plans, heads))?;
+            let attn =
+                timed(Op::Attention, || paged_attention(&q, cache, layer_idx, &plans, Heads { window, ..heads }))?;
             let mut out = timed(Op::Projections, || layer.out.forward(&attn))?;
             if let Some((post_attn, _)) = &layer.post_norms {
                 out = timed(Op::Norms, || candle_nn::ops::rms_norm(&out, post_attn, eps))?;
@@ -440,11 +466,16 @@ impl Model {
     }
 }
 
-/// `[max_position, head_dim / 2]` cos and sin, with the checkpoint's rotary scheme (and its
-/// attention factor, which YaRN folds into both).
-fn rope_tables(c: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
+/// `[max_position, head_dim / 2]` cos and sin, with a rotary scheme and base (and the
+/// scheme's attention factor, which YaRN folds into both).
+fn rope_tables(
+    c: &ModelConfig,
+    scaling: &crate::rope::RopeScaling,
+    theta: f32,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
     let half = c.head_dim / 2;
-    let (inv_freq, attention_factor) = c.rope_scaling.frequencies(c.head_dim, c.rope_theta)?;
+    let (inv_freq, attention_factor) = scaling.frequencies(c.head_dim, theta)?;
     let inv_freq = Tensor::from_vec(inv_freq, (1, half), device)?;
     let pos =
         Tensor::arange(0u32, c.max_position as u32, device)?.to_dtype(DType::F32)?.reshape((c.max_position, 1))?;

@@ -1,5 +1,6 @@
 //! Every model family against Hugging Face transformers: tiny random checkpoints of Llama
-//! (plain, tied, and with each rope scaling type), Mistral, Qwen2 and Qwen3, written by
+//! (plain, tied, and with each rope scaling type), Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and
+//! Gemma 3 (with sliding windows short enough to bite), written by
 //! transformers with its logits and greedy tokens (scripts/reference/families.py, committed
 //! under tests/data/families). pd loads each folder, prefills the prompt, then decodes the
 //! greedy tokens one step at a time from its own KV cache; every position's logits must be
@@ -29,7 +30,7 @@ fn families() -> Vec<PathBuf> {
         .filter(|p| p.join("reference.json").is_file())
         .collect();
     dirs.sort();
-    assert!(dirs.len() >= 10, "expected the ten family fixtures, found {dirs:?}");
+    assert!(dirs.len() >= 14, "expected the fourteen family fixtures, found {dirs:?}");
     dirs
 }
 
@@ -133,6 +134,42 @@ fn every_family_matches_transformers_with_serving_defaults() {
     }
 }
 
+/// Prompt and greedy tokens prefilled as one sequence in chunks of 10 (as a prefill worker
+/// chunks a long prompt): every row's logits match transformers', so the masks of chunks
+/// that start past a sliding window (and the keys they gather) are right too.
+#[test]
+fn every_family_matches_transformers_when_prefilled_in_chunks() {
+    for dir in families() {
+        let (model, reference) = load(&dir, WeightFormat::F32);
+        let name = dir.file_name().expect("valid").to_string_lossy().to_string();
+        let cache = KvCache::new(
+            model.config(),
+            &CacheConfig {
+                block_size: 4,
+                prefix_cache: false,
+                dtype: KvCacheDType::F32,
+                ..CacheConfig::with_blocks(32)
+            },
+            &Device::Cpu,
+        )
+        .expect("cache");
+        let mut kv = SequenceKv::new(cache.block_manager().empty_allocation());
+        let all: Vec<u32> = reference.prompt.iter().chain(&reference.greedy).copied().collect();
+        let mut worst = 0f32;
+        for (c, chunk) in all.chunks(10).enumerate() {
+            let mut batch = [BatchSeq { tokens: chunk, kv: &mut kv, want_logits: true }];
+            let rows = model.forward_rows(&cache, &mut batch, &[true], &mut |_| std::ops::ControlFlow::Continue(()));
+            let rows = rows.unwrap_or_else(|e| panic!("{name}: chunk {c}: {e}"));
+            for i in 0..chunk.len() {
+                let row = rows.get(i).expect("row");
+                worst = worst.max(row_diff(&row, &reference.logits[c * 10 + i]));
+            }
+        }
+        println!("{name}: max |logit - transformers| {worst:.2e} (chunks of 10)");
+        assert!(worst < 2e-4, "{name}: chunked prefill logits differ from transformers' by {worst}");
+    }
+}
+
 #[test]
 fn gguf_files_of_the_same_weights_match_transformers() {
     let mut checked = Vec::new();
@@ -146,7 +183,7 @@ fn gguf_files_of_the_same_weights_match_transformers() {
         assert_eq!(greedy, reference.greedy, "{name}.gguf: greedy tokens");
         checked.push(name);
     }
-    assert!(checked.len() >= 8, "GGUF fixtures checked: {checked:?}");
+    assert!(checked.len() >= 11, "GGUF fixtures checked: {checked:?}");
 }
 
 /// A copy of fixture `name` with its config.json changed by `edit`, loaded as the engine would.
@@ -176,6 +213,6 @@ fn settings_and_tensors_the_engine_would_ignore_are_refused_by_name() {
     assert!(err.to_string().contains("rope_parameters.rope_type"), "{err}");
     let err = load_edited("llama-tied", |c| c["tie_word_embeddings"] = false.into());
     assert!(matches!(&err, pd_engine::EngineError::MissingTensor(n) if n == "lm_head.weight"), "{err}");
-    let err = load_edited("qwen3", |c| c["model_type"] = "gemma3_text".into());
-    assert!(matches!(&err, pd_engine::EngineError::UnsupportedArchitecture(a) if a == "gemma3_text"), "{err}");
+    let err = load_edited("qwen3", |c| c["model_type"] = "gemma3n_text".into());
+    assert!(matches!(&err, pd_engine::EngineError::UnsupportedArchitecture(a) if a == "gemma3n_text"), "{err}");
 }

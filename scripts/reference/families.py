@@ -4,7 +4,7 @@ against (engine/tests/families.rs). Run by hand when a family is added (torch is
 dependency); the outputs are small and committed:
 
   python3 -m venv target/refenv && target/refenv/bin/pip install torch transformers gguf safetensors
-  target/refenv/bin/python scripts/reference/families.py engine/tests/data/families
+  target/refenv/bin/python scripts/reference/families.py engine/tests/data/families [CASE...]
 
 Each case is a folder with config.json, model.safetensors (bf16: the weights are rounded to
 bf16 once, and transformers computes in f32 from those values, as pd does) and
@@ -86,7 +86,46 @@ CASES = {
             "hidden_activation": "gelu_pytorch_tanh",
         },
     ),
+    # Windows of 16 positions, well inside the 44 used, so that they bite: Mistral's and
+    # Phi-3's on every layer, Gemma 2's on every other one. The Gemma cases below are tied
+    # and scale queries by head_dim, as llama.cpp's GGUF files of Gemma (but 27B) assume;
+    # their embeddings are drawn narrower (`EMBED_STD`), or the scaled, tied embedding of
+    # the last token outweighs everything and greedy decoding repeats it.
+    "mistral-window": ("mistral", {"sliding_window": 16, "head_dim": 16}),
+    "phi3-window": ("phi3", {"sliding_window": 16, "pad_token_id": 0, "original_max_position_embeddings": 128}),
+    "gemma2-window": (
+        "gemma2",
+        {
+            "tie_word_embeddings": True,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 8.0,
+            "sliding_window": 16,
+            "pad_token_id": 0,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+    ),
+    # Gemma 3: Q/K norms, sliding layers 0-4 on a rotary base of their own, the global layer
+    # 5 with linear scaling (the pattern llama.cpp assumes for every Gemma 3 file), no
+    # soft-capping.
+    "gemma3": (
+        "gemma3_text",
+        {
+            "tie_word_embeddings": True,
+            "num_hidden_layers": 6,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 16,
+            "rope_local_base_freq": 100.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+            "pad_token_id": 0,
+        },
+    ),
 }
+
+# Standard deviation of the embeddings drawn, where not 1.
+EMBED_STD = {"gemma2-window": 0.05, "gemma3": 0.05}
 
 # GGUF architecture of each case llama.cpp converts (Mistral's files use llama's).
 GGUF_ARCH = {
@@ -98,13 +137,16 @@ GGUF_ARCH = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
+    "phi3-window": "phi3",
+    "gemma2-window": "gemma2",
+    "gemma3": "gemma3",
 }
 
 PROMPT = [1, 17, 99, 5, 64, 23, 88, 41, 7, 120, 33, 56]
 GREEDY = 32
 
 
-def randomise(model, seed):
+def randomise(model, seed, embed_std=1.0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -113,7 +155,7 @@ def randomise(model, seed):
             elif name.endswith(".bias"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
+                p.copy_(embed_std * torch.randn(p.shape, generator=g))
             else:
                 fan_in = p.shape[-1]
                 p.copy_(1.5 * torch.randn(p.shape, generator=g) / fan_in**0.5)
@@ -158,13 +200,23 @@ def write_gguf(path, arch, config, model):
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    # Gemma 3 keys its rotary parameters by layer type; llama.cpp stores the global ones (and,
+    # in newer files, the local base as `rope.freq_base_swa`).
+    rope_params = c.rope_parameters.get("full_attention", c.rope_parameters)
+    w.add_rope_freq_base(rope_params["rope_theta"])
+    if arch == "gemma3":
+        w.add_float32("gemma3.rope.freq_base_swa", c.rope_parameters["sliding_attention"]["rope_theta"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
-    rope = c.rope_parameters.get("rope_type", "default")
+    if arch in ("phi3", "gemma2", "gemma3") and c.sliding_window is not None:
+        w.add_sliding_window(c.sliding_window)
+    rope = rope_params.get("rope_type", "default")
     if rope == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(c.rope_parameters["factor"])
+        w.add_rope_scaling_factor(rope_params["factor"])
     tensors = {k: v.float().numpy() for k, v in model.state_dict().items()}
     if rope == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(c, head_dim))
@@ -187,7 +239,17 @@ def write_gguf(path, arch, config, model):
         "self_attn.qkv_proj.weight": "attn_qkv.weight",
         "mlp.gate_up_proj.weight": "ffn_up.weight",
     }
+    if arch.startswith("gemma"):
+        names = {
+            **names,
+            "post_attention_layernorm.weight": "post_attention_norm.weight",
+            "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+            "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+        }
     for name, t in tensors.items():
+        # llama.cpp stores Gemma's norms as the 1 + w they multiply by.
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            t = t + 1.0
         if name == "model.embed_tokens.weight":
             out = "token_embd.weight"
         elif name == "model.norm.weight":
@@ -222,15 +284,17 @@ def write_tokenizer(folder, vocab_size):
     tok.save(os.path.join(folder, "tokenizer.json"))
 
 
-def main(out_dir):
+def main(out_dir, only=None):
     for name, (model_type, extra) in sorted(CASES.items()):
+        if only and name not in only:
+            continue
         # A seed of the case's own (adding a case leaves the others' fixtures as they are).
         seed = zlib.crc32(name.encode()) % 10_000
         config = AutoConfig.for_model(model_type, **{**SMALL, **extra})
         torch.manual_seed(seed)
         # Eager attention: the one transformers applies Gemma 2's soft-capping in.
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
-        randomise(model, 1000 + seed)
+        randomise(model, 1000 + seed, EMBED_STD.get(name, 1.0))
         ids = torch.tensor([PROMPT])
         with torch.no_grad():
             out = model.generate(
@@ -267,4 +331,4 @@ def main(out_dir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "engine/tests/data/families")
+    main(sys.argv[1] if len(sys.argv) > 1 else "engine/tests/data/families", sys.argv[2:])

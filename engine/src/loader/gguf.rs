@@ -1,5 +1,6 @@
-//! GGUF checkpoints: container checks (truncation), hyperparameters of the llama, qwen2 and
-//! qwen3 architectures from metadata (llama.cpp's keys),
+//! GGUF checkpoints: container checks (truncation), hyperparameters of the llama, qwen2,
+//! qwen3, phi3, gemma2 and gemma3 architectures from metadata (llama.cpp's keys, and its
+//! fixed rules where the converter writes none),
 //! tensors on demand, tokenizer and chat template from the file's own metadata.
 
 use std::collections::{HashMap, HashSet};
@@ -11,7 +12,7 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::Device;
 
 use super::{RawTensor, TensorSource};
-use crate::config::{DecoderParts, ModelConfig, RopeScaling, RopeStyle};
+use crate::config::{Activation, DecoderParts, ModelConfig, RopeScaling, RopeStyle, SlidingWindow};
 use crate::error::{EngineError, Result};
 
 /// An open GGUF file whose tensor data was checked to be all there.
@@ -58,6 +59,7 @@ impl GgufFile {
 
     /// Hyperparameters from `{arch}.*` keys. Mistral's files use the llama architecture;
     /// llama.cpp stores their Q and K permuted for interleaved rotary pairs, Qwen's not.
+    /// Gemma's norms are stored as 1 + w, so they load as plain norms.
     pub fn model_config(&self) -> Result<ModelConfig> {
         let md = &self.content.metadata;
         let arch = md
@@ -69,8 +71,8 @@ impl GgufFile {
         let (rope_style, qkv_bias, qk_norm) = match arch.as_str() {
             "llama" => (RopeStyle::Interleaved, false, false),
             "qwen2" => (RopeStyle::Halves, true, false),
-            "qwen3" => (RopeStyle::Halves, false, true),
-            "phi3" => (RopeStyle::Halves, false, false),
+            "qwen3" | "gemma3" => (RopeStyle::Halves, false, true),
+            "phi3" | "gemma2" => (RopeStyle::Halves, false, false),
             _ => return Err(EngineError::UnsupportedArchitecture(arch)),
         };
         let value = |key: &str| {
@@ -110,20 +112,55 @@ impl GgufFile {
                 });
             }
         }
+        let num_layers = int("block_count")?;
+        let window_key = format!("{arch}.attention.sliding_window");
+        let window = if md.contains_key(&window_key) { Some(int("attention.sliding_window")?) } else { None };
+        let sliding_window = sliding_layers(&arch, num_layers, window)?;
+        let parts = if arch.starts_with("gemma") {
+            let has = |key: &str| md.contains_key(&format!("{arch}.{key}"));
+            let cap = |key: &str, default: Option<f32>| -> Result<Option<f32>> {
+                Ok(if has(key) { Some(float(key)?).filter(|&c| c != 0.0) } else { default })
+            };
+            let (attn_softcap, final_softcap) = match arch.as_str() {
+                // llama.cpp's values where a Gemma 2 file has no caps.
+                "gemma2" => (cap("attn_logit_softcapping", Some(50.0))?, cap("final_logit_softcapping", Some(30.0))?),
+                _ => (cap("attn_logit_softcapping", None)?, cap("final_logit_softcapping", None)?),
+            };
+            DecoderParts {
+                qk_norm,
+                post_norms: true,
+                embed_scale: Some((hidden_size as f32).sqrt()),
+                activation: Activation::GeluTanh,
+                query_scale: gemma_query_scale(&arch, num_layers, hidden_size, num_heads),
+                attn_softcap,
+                final_softcap,
+                // llama.cpp: Gemma 3's local layers rotate with base 10000 (or the file's
+                // `rope.freq_base_swa`) and no scaling; Gemma 2's as its global ones.
+                local_rope_theta: match arch.as_str() {
+                    "gemma3" => Some(if has("rope.freq_base_swa") { float("rope.freq_base_swa")? } else { 10_000.0 }),
+                    _ => None,
+                },
+                sliding_window,
+                ..Default::default()
+            }
+        } else {
+            DecoderParts { qkv_bias, qk_norm, sliding_window, ..Default::default() }
+        };
+        let default_theta = if arch == "gemma3" { 1_000_000.0 } else { 10_000.0 };
         let config = ModelConfig {
             vocab_size,
             hidden_size,
             intermediate_size: int("feed_forward_length")?,
-            num_layers: int("block_count")?,
+            num_layers,
             num_heads,
             num_kv_heads: int("attention.head_count_kv").unwrap_or(num_heads),
             head_dim,
             max_position: int("context_length")?,
-            rope_theta: float("rope.freq_base").unwrap_or(10_000.0),
+            rope_theta: float("rope.freq_base").unwrap_or(default_theta),
             rms_norm_eps: float("attention.layer_norm_rms_epsilon")? as f64,
             rope_style,
             rope_scaling: self.rope_scaling(&arch)?,
-            parts: DecoderParts { qkv_bias, qk_norm, ..Default::default() },
+            parts,
         };
         config.validate()?;
         Ok(config)
@@ -161,6 +198,37 @@ impl GgufFile {
     }
 }
 
+/// The layers of a file that attend within `window` (`{arch}.attention.sliding_window`):
+/// every layer of a Phi-3 file; Gemma's by llama.cpp's fixed pattern (layer `i` slides when
+/// `i % n < n - 1`: Gemma 2 every other layer from the first, Gemma 3 five in six). In other
+/// architectures the key would be a setting this reader ignores: refused.
+fn sliding_layers(arch: &str, num_layers: usize, window: Option<usize>) -> Result<Option<SlidingWindow>> {
+    let Some(size) = window.filter(|&w| w > 0) else { return Ok(None) };
+    let pattern = match arch {
+        "phi3" => 1,
+        "gemma2" => 2,
+        "gemma3" => 6,
+        _ => {
+            return Err(EngineError::UnsupportedSetting {
+                field: format!("{arch}.attention.sliding_window"),
+                reason: "sliding-window layers in this architecture's files".into(),
+            })
+        }
+    };
+    let layers = (0..num_layers).map(|i| pattern == 1 || i % pattern < pattern - 1).collect();
+    Ok(Some(SlidingWindow { size, layers }))
+}
+
+/// The query scale of a Gemma file, which the converter does not store: llama.cpp scales by
+/// `(hidden / heads)^-1/2` for the 27B models (46 layers in Gemma 2, 62 in Gemma 3, whose
+/// `query_pre_attn_scalar` is that) and by head_dim^-1/2 (the kernels' own) otherwise.
+fn gemma_query_scale(arch: &str, num_layers: usize, hidden: usize, heads: usize) -> Option<f32> {
+    match (arch, num_layers) {
+        ("gemma2", 46) | ("gemma3", 62) => Some((hidden / heads) as f32),
+        _ => None,
+    }
+}
+
 impl TensorSource for GgufFile {
     fn take(&mut self, name: &str) -> Result<Option<RawTensor>> {
         if !self.content.tensor_infos.contains_key(name) {
@@ -183,5 +251,23 @@ impl TensorSource for GgufFile {
             self.content.tensor_infos.keys().filter(|n| !self.taken.contains(*n)).cloned().collect();
         names.sort();
         names
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sliding_layers_follow_llama_cpp_patterns() {
+        let layers = |arch, n| sliding_layers(arch, n, Some(512)).expect("known").expect("a window").layers;
+        assert_eq!(layers("phi3", 3), vec![true; 3]);
+        assert_eq!(layers("gemma2", 4), vec![true, false, true, false]);
+        assert_eq!(layers("gemma3", 7), vec![true, true, true, true, true, false, true]);
+        assert!(sliding_layers("gemma3", 7, Some(0)).expect("no window").is_none());
+        let err = sliding_layers("llama", 2, Some(512)).expect_err("refused").to_string();
+        assert!(err.contains("llama.attention.sliding_window"), "{err}");
+        assert_eq!(gemma_query_scale("gemma3", 62, 5376, 32), Some(168.0));
+        assert_eq!(gemma_query_scale("gemma3", 26, 1152, 4), None);
     }
 }

@@ -1,5 +1,6 @@
-//! Hugging Face model folders (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2): config.json, tokenizer.json,
-//! tokenizer_config.json (chat template, optional) and *.safetensors.
+//! Hugging Face model folders (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3):
+//! config.json, tokenizer.json, tokenizer_config.json (chat template, optional) and
+//! *.safetensors.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -100,7 +101,7 @@ impl HfFolder {
     }
 }
 
-/// Hugging Face name of a GGUF tensor name; `gemma`: Gemma 2's four norms per layer (its
+/// Hugging Face name of a GGUF tensor name; `gemma`: Gemma's four norms per layer (its
 /// `post_attention_layernorm` follows attention, `pre_feedforward_layernorm` is Llama's).
 fn hf_name(gguf: &str, gemma: bool) -> Option<String> {
     match gguf {

@@ -1,5 +1,6 @@
 //! config.json of the families the engine runs, read into a `ModelConfig`: which family,
-//! which rotary scheme, which optional parts (Q/K/V biases, Q/K norms), and a refusal that
+//! which rotary scheme, which optional parts (Q/K/V biases, Q/K norms, sliding-window
+//! layers and their rotary base), and a refusal that
 //! names every setting that would change the math in a way the engine does not implement.
 //! Unknown keys that do not change the output (dropout, initializer ranges, dtype) are
 //! left alone; the list of refused ones is what the other families' configs use.
@@ -7,7 +8,7 @@
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use crate::config::{Activation, DecoderParts, ModelConfig, RopeScaling, RopeStyle};
+use crate::config::{Activation, DecoderParts, ModelConfig, RopeScaling, RopeStyle, SlidingWindow};
 use crate::error::{EngineError, Result};
 
 /// The decoder families a folder may hold (all in Llama's layout).
@@ -22,6 +23,16 @@ pub enum Family {
     /// Gemma 2: (1 + w) norms, norms after attention and MLP too, scaled embeddings, GELU,
     /// soft-capped attention scores and logits, alternating sliding-window layers.
     Gemma2,
+    /// Gemma 3 text: Gemma 2's layout with Q/K norms, five sliding-window layers in six
+    /// with a rotary base of their own, and (usually) no soft-capping.
+    Gemma3,
+}
+
+impl Family {
+    /// Gemma's conventions: (1 + w) norms, tied embeddings by default, GELU, Gemma's keys.
+    fn is_gemma(self) -> bool {
+        matches!(self, Family::Gemma2 | Family::Gemma3)
+    }
 }
 
 impl Family {
@@ -33,6 +44,7 @@ impl Family {
             Some("qwen3") => Some(Family::Qwen3),
             Some("phi3") => Some(Family::Phi3),
             Some("gemma2") => Some(Family::Gemma2),
+            Some("gemma3_text") => Some(Family::Gemma3),
             _ => None,
         };
         let by_arch = architectures.iter().find_map(|a| match a.as_str() {
@@ -42,6 +54,7 @@ impl Family {
             "Qwen3ForCausalLM" => Some(Family::Qwen3),
             "Phi3ForCausalLM" => Some(Family::Phi3),
             "Gemma2ForCausalLM" => Some(Family::Gemma2),
+            "Gemma3ForCausalLM" => Some(Family::Gemma3),
             _ => None,
         });
         // transformers picks the model class by `model_type` when there is one.
@@ -87,6 +100,11 @@ pub(super) struct HfConfig {
     rest: Map<String, Value>,
 }
 
+/// Families whose configs may set sliding-window layers that pd runs.
+fn windowed(family: Family) -> bool {
+    matches!(family, Family::Mistral | Family::Phi3 | Family::Gemma2 | Family::Gemma3)
+}
+
 fn unsupported(field: &str, reason: impl Into<String>) -> EngineError {
     EngineError::UnsupportedSetting { field: field.to_string(), reason: reason.into() }
 }
@@ -99,13 +117,13 @@ impl HfConfig {
     /// Whether the output projection is the embedding matrix (each family's default when
     /// the config does not say).
     pub(super) fn tied_embeddings(&self) -> bool {
-        let gemma = self.family().is_ok_and(|f| f == Family::Gemma2);
+        let gemma = self.family().is_ok_and(Family::is_gemma);
         self.tie_word_embeddings.unwrap_or(gemma)
     }
 
     /// Gemma's norms compute `x * (1 + w)`; the folder stores `w`.
     pub(super) fn norm_offset(&self) -> bool {
-        self.family().is_ok_and(|f| f == Family::Gemma2)
+        self.family().is_ok_and(Family::is_gemma)
     }
 
     fn number(&self, key: &str) -> Option<f32> {
@@ -122,7 +140,7 @@ impl HfConfig {
 
     /// Refuses the settings that change the output and that the engine does not implement.
     fn refuse_unsupported(&self, family: Family) -> Result<()> {
-        let gemma = family == Family::Gemma2;
+        let gemma = family.is_gemma();
         for key in ["hidden_act", "hidden_activation"] {
             match self.value(key).and_then(Value::as_str) {
                 None | Some("silu") => {}
@@ -145,12 +163,22 @@ impl HfConfig {
             }
         }
         if let Some(Value::Array(types)) = self.value("layer_types") {
-            // Gemma 2's sliding layers attend fully within the window, where the context is capped.
-            let known =
-                |t: &Value| t.as_str() == Some("full_attention") || (gemma && t.as_str() == Some("sliding_attention"));
+            let known = |t: &Value| {
+                t.as_str() == Some("full_attention") || (windowed(family) && t.as_str() == Some("sliding_attention"))
+            };
             if let Some(t) = types.iter().find(|t| !known(t)) {
-                return Err(unsupported("layer_types", format!("{t} (only full_attention layers)")));
+                return Err(unsupported(
+                    "layer_types",
+                    format!("{t} (full_attention; sliding_attention where the family has windows)"),
+                ));
             }
+            if types.len() != self.num_hidden_layers {
+                let reason = format!("{} entries for {} layers", types.len(), self.num_hidden_layers);
+                return Err(unsupported("layer_types", reason));
+            }
+        }
+        if self.flag("use_bidirectional_attention") {
+            return Err(unsupported("use_bidirectional_attention", "true (an encoder's attention)"));
         }
         let gemma_keys: &[&str] =
             if gemma { &[] } else { &["attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"] };
@@ -175,12 +203,21 @@ impl HfConfig {
     /// The rotary scheme and base, from `rope_parameters` or `rope_scaling` + `rope_theta`.
     /// `dynamic` (NTK) changes nothing up to its original context: it is served as the plain
     /// scheme with the context capped there (the third value: a cap on the context).
-    fn rope(&self) -> Result<(RopeScaling, f32, Option<usize>)> {
-        let params = self.rope_parameters.as_ref().or(self.rope_scaling.as_ref()).filter(|v| !v.is_null());
+    /// Gemma 3's global layers take `rope_parameters.full_attention` (transformers 5 keys
+    /// the parameters by layer type) or `rope_scaling` + `rope_theta`.
+    fn rope(&self, family: Family) -> Result<(RopeScaling, f32, Option<usize>)> {
+        let raw = self.rope_parameters.as_ref().or(self.rope_scaling.as_ref()).filter(|v| !v.is_null());
+        let by_type = raw.and_then(|p| p.get("full_attention")).filter(|v| v.is_object());
+        let params = by_type.or(raw);
         let theta_in = params.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64).map(|t| t as f32);
-        let theta = theta_in.or(self.rope_theta).unwrap_or(10_000.0);
+        let default_theta = if family == Family::Gemma3 { 1_000_000.0 } else { 10_000.0 };
+        let theta = theta_in.or(self.rope_theta).unwrap_or(default_theta);
         let Some(p) = params else { return Ok((RopeScaling::None, theta, None)) };
-        let field = if self.rope_parameters.is_some() { "rope_parameters" } else { "rope_scaling" };
+        let field = match (self.rope_parameters.is_some(), by_type.is_some()) {
+            (true, true) => "rope_parameters.full_attention",
+            (true, false) => "rope_parameters",
+            (false, _) => "rope_scaling",
+        };
         let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
         let num = |key: &str| p.get(key).filter(|v| !v.is_null()).and_then(Value::as_f64).map(|v| v as f32);
         let need = |key: &str| num(key).ok_or_else(|| unsupported(&format!("{field}.{key}"), "missing"));
@@ -227,22 +264,70 @@ impl HfConfig {
         Ok((scaling, theta, None))
     }
 
+    /// The rotary base of the sliding-window layers where it differs from the global one:
+    /// Gemma 3's `rope_parameters.sliding_attention` (transformers 5) or
+    /// `rope_local_base_freq` (transformers 4), with plain frequencies. Another family
+    /// whose layer types rotate differently is refused.
+    fn local_rope_theta(&self, family: Family) -> Result<Option<f32>> {
+        let params = self.rope_parameters.as_ref().filter(|v| !v.is_null());
+        let local = params.and_then(|p| p.get("sliding_attention")).filter(|v| v.is_object());
+        if family != Family::Gemma3 {
+            let global = params.and_then(|p| p.get("full_attention"));
+            if local.is_some() && local != global {
+                return Err(unsupported("rope_parameters.sliding_attention", "a rotary scheme of its own"));
+            }
+            return Ok(None);
+        }
+        if let Some(kind) = local.and_then(|l| l.get("rope_type")).and_then(Value::as_str) {
+            if kind != "default" {
+                return Err(unsupported("rope_parameters.sliding_attention.rope_type", format!("`{kind}` (default)")));
+            }
+        }
+        let theta = local.and_then(|l| l.get("rope_theta")).and_then(Value::as_f64).map(|t| t as f32);
+        Ok(Some(theta.or(self.number("rope_local_base_freq")).unwrap_or(10_000.0)))
+    }
+
+    /// The layers that attend within `sliding_window` (Mistral's and Phi-3's: all of them;
+    /// Gemma's: `layer_types`, else every other layer for Gemma 2 and five in six for
+    /// Gemma 3, transformers' defaults). `None` where no layer slides.
+    fn sliding_window(&self, family: Family) -> Result<Option<SlidingWindow>> {
+        let Some(size) = self.value("sliding_window").filter(|_| windowed(family)) else { return Ok(None) };
+        let size = size
+            .as_u64()
+            .filter(|&w| w > 0)
+            .ok_or_else(|| unsupported("sliding_window", format!("{size} (a positive number of positions)")))?;
+        let n = self.num_hidden_layers;
+        let layers: Vec<bool> = match (family, self.value("layer_types")) {
+            (Family::Gemma2 | Family::Gemma3, Some(Value::Array(types))) => {
+                types.iter().map(|t| t.as_str() == Some("sliding_attention")).collect()
+            }
+            (Family::Gemma2, _) => (0..n).map(|i| !(i + 1).is_multiple_of(2)).collect(),
+            (Family::Gemma3, _) => {
+                let pattern = match self.value("sliding_window_pattern") {
+                    None => 6,
+                    Some(v) => v
+                        .as_u64()
+                        .filter(|&p| p > 0)
+                        .ok_or_else(|| unsupported("sliding_window_pattern", format!("{v} (a positive number)")))?,
+                };
+                (0..n).map(|i| !(i as u64 + 1).is_multiple_of(pattern)).collect()
+            }
+            _ => vec![true; n],
+        };
+        Ok(layers.contains(&true).then_some(SlidingWindow { size: size as usize, layers }))
+    }
+
     pub(super) fn model_config(&self) -> Result<ModelConfig> {
         let family = self.family()?;
         self.refuse_unsupported(family)?;
-        let (rope_scaling, rope_theta, rope_cap) = self.rope()?;
-        // Mistral's, Phi-3's and Gemma 2's sliding window equals full attention up to the
-        // window: the context is capped there rather than the window implemented.
-        let window = match family {
-            Family::Mistral | Family::Phi3 | Family::Gemma2 => {
-                self.value("sliding_window").and_then(Value::as_u64).map(|w| w as usize)
-            }
-            _ => None,
-        };
+        let (rope_scaling, rope_theta, rope_cap) = self.rope(family)?;
+        let local_rope_theta = self.local_rope_theta(family)?;
+        let sliding_window = self.sliding_window(family)?;
         let parts = match family {
             Family::Qwen2 => DecoderParts { qkv_bias: true, ..Default::default() },
             Family::Qwen3 => DecoderParts { qk_norm: true, ..Default::default() },
-            Family::Gemma2 => DecoderParts {
+            Family::Gemma2 | Family::Gemma3 => DecoderParts {
+                qk_norm: family == Family::Gemma3,
                 post_norms: true,
                 embed_scale: Some((self.hidden_size as f32).sqrt()),
                 activation: Activation::GeluTanh,
@@ -253,7 +338,8 @@ impl HfConfig {
             },
             Family::Llama | Family::Mistral | Family::Phi3 => DecoderParts::default(),
         };
-        let max_position = [window, rope_cap].into_iter().flatten().fold(self.max_position_embeddings, usize::min);
+        let parts = DecoderParts { sliding_window, local_rope_theta, ..parts };
+        let max_position = rope_cap.map_or(self.max_position_embeddings, |cap| cap.min(self.max_position_embeddings));
         let config = ModelConfig {
             vocab_size: self.vocab_size,
             hidden_size: self.hidden_size,
@@ -330,8 +416,8 @@ mod tests {
             let err = config(extra.clone()).expect_err("refused").to_string();
             assert!(err.contains(field), "{extra}: {err}");
         }
-        let err = config(serde_json::json!({"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}));
-        assert!(matches!(err, Err(EngineError::UnsupportedArchitecture(a)) if a == "gemma3_text"));
+        let err = config(serde_json::json!({"model_type": "gemma3n_text", "architectures": ["Gemma3nForCausalLM"]}));
+        assert!(matches!(err, Err(EngineError::UnsupportedArchitecture(a)) if a == "gemma3n_text"));
     }
 
     #[test]
@@ -341,6 +427,51 @@ mod tests {
         let qwen3 = config(serde_json::json!({"model_type": "qwen3", "head_dim": 16})).expect("valid");
         assert!(qwen3.parts.qk_norm && !qwen3.parts.qkv_bias && qwen3.head_dim == 16);
         let mistral = config(serde_json::json!({"model_type": "mistral", "sliding_window": 128})).expect("valid");
-        assert_eq!(mistral.max_position, 128, "context capped at the window");
+        let window = mistral.parts.sliding_window.expect("a window");
+        assert_eq!((mistral.max_position, window.size, window.layers), (256, 128, vec![true, true]));
+        let gemma2 = config(serde_json::json!({"model_type": "gemma2", "sliding_window": 16, "num_hidden_layers": 3}))
+            .expect("valid");
+        assert_eq!(gemma2.parts.sliding_window.expect("a window").layers, vec![true, false, true]);
+        assert_eq!(gemma2.parts.local_rope_theta, None);
+    }
+
+    /// Gemma 3 as transformers 4 wrote it (`rope_local_base_freq`, `sliding_window_pattern`)
+    /// and as transformers 5 does (`rope_parameters` by layer type, `layer_types`).
+    #[test]
+    fn gemma3_reads_both_generations_of_config() {
+        let old = config(serde_json::json!({"model_type": "gemma3_text", "num_hidden_layers": 7,
+            "sliding_window": 512, "sliding_window_pattern": 6, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 256}))
+        .expect("valid");
+        let window = old.parts.sliding_window.clone().expect("a window");
+        assert_eq!(window.layers, vec![true, true, true, true, true, false, true]);
+        assert_eq!((old.rope_theta, old.parts.local_rope_theta), (1e6, Some(1e4)));
+        assert_eq!(old.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        assert!(old.parts.qk_norm && old.parts.post_norms);
+        let new = config(serde_json::json!({"model_type": "gemma3_text", "num_hidden_layers": 2,
+            "sliding_window": 512, "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}))
+        .expect("valid");
+        assert_eq!(new.parts.sliding_window.expect("a window").layers, vec![true, false]);
+        assert_eq!((new.rope_theta, new.parts.local_rope_theta), (1e6, Some(1e4)));
+        assert_eq!(new.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        for (extra, field) in [
+            (
+                serde_json::json!({"rope_parameters": {"full_attention": {"rope_type": "default"},
+                "sliding_attention": {"rope_type": "yarn", "factor": 2.0}}}),
+                "rope_parameters.sliding_attention",
+            ),
+            (serde_json::json!({"layer_types": ["sliding_attention"]}), "layer_types"),
+            (serde_json::json!({"layer_types": ["chunked_attention", "full_attention"]}), "layer_types"),
+            (serde_json::json!({"use_bidirectional_attention": true}), "use_bidirectional_attention"),
+            (serde_json::json!({"sliding_window": 0}), "sliding_window"),
+            (serde_json::json!({"sliding_window": 8, "sliding_window_pattern": 0}), "sliding_window_pattern"),
+        ] {
+            let mut extra = extra.as_object().expect("object").clone();
+            extra.insert("model_type".into(), "gemma3_text".into());
+            let err = config(Value::Object(extra.clone())).expect_err("refused").to_string();
+            assert!(err.contains(field), "{extra:?}: {err}");
+        }
     }
 }
