@@ -1,6 +1,14 @@
 //! Chat templates: the checkpoint's own Jinja template (GGUF `tokenizer.chat_template` or
-//! tokenizer_config.json) rendered with minijinja, with Python string methods available as
-//! Hugging Face templates expect.
+//! tokenizer_config.json) rendered with minijinja in the environment Hugging Face transformers'
+//! `apply_chat_template` gives templates (transformers/utils/chat_template_utils.py):
+//! `trim_blocks` and `lstrip_blocks`, Python string and dict methods, `tojson` as Python's
+//! `json.dumps` (its separators, `indent`, `ensure_ascii`, `sort_keys`), `raise_exception`
+//! and `strftime_now`. engine/tests/chat_templates.rs checks real models' templates against
+//! transformers' rendering.
+
+mod tojson;
+
+use std::time::SystemTime;
 
 use minijinja::{context, Environment, Error as JinjaError, ErrorKind};
 use serde::{Deserialize, Serialize};
@@ -44,15 +52,28 @@ impl ChatTemplate {
     /// Compiles `source`; `bos_token` / `eos_token` are the texts templates may refer to.
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self> {
         let mut env = Environment::new();
+        // transformers' jinja2 environment: trim_blocks and lstrip_blocks on, a template's
+        // single trailing newline dropped (jinja2's default, and minijinja's).
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, JinjaError> {
             Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
         });
+        env.add_filter("tojson", tojson::tojson);
+        env.add_function("strftime_now", |format: String| strftime(SystemTime::now(), &format));
         env.add_template_owned(NAME, source.to_string())
             .map_err(|e| EngineError::ChatTemplate(format!("does not compile: {e}")))?;
         let uses_tools = source.contains("tools");
         let (bos_token, eos_token, source) = (bos_token.to_string(), eos_token.to_string(), source.to_string());
         Ok(ChatTemplate { env, bos_token, eos_token, uses_tools, source })
+    }
+
+    /// The same template with `strftime_now` reading `now` instead of the clock (tests, and
+    /// reproducing a prompt rendered earlier).
+    pub fn with_now(mut self, now: SystemTime) -> Self {
+        self.env.add_function("strftime_now", move |format: String| strftime(now, &format));
+        self
     }
 
     /// Whether the template renders tool definitions itself (its `tools` variable).
@@ -86,6 +107,7 @@ impl ChatTemplate {
             .render(context! {
                 messages => messages,
                 tools => tools,
+                documents => Option::<()>::None,
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
@@ -94,9 +116,21 @@ impl ChatTemplate {
     }
 }
 
+/// transformers' `strftime_now(format)`: `now` formatted as Python's `strftime` would, in UTC
+/// (transformers reads the machine's local time; a server's is UTC), through chrono's
+/// strftime, which has Python's directives and glibc's `-` flag (`%-d`). A format chrono
+/// does not know is an error naming it.
+fn strftime(now: SystemTime, format: &str) -> std::result::Result<String, JinjaError> {
+    let items = chrono::format::StrftimeItems::new(format).parse().map_err(|_| {
+        JinjaError::new(ErrorKind::InvalidOperation, format!("strftime_now: `{format}` is not a strftime format"))
+    })?;
+    Ok(chrono::DateTime::<chrono::Utc>::from(now).format_with_items(items.iter()).to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::UNIX_EPOCH;
 
     #[test]
     fn renders_python_style_templates_and_reports_errors() {
@@ -110,5 +144,50 @@ mod tests {
         let raising = ChatTemplate::new("{{ raise_exception('roles must alternate') }}", "", "").expect("compiles");
         let err = raising.render(&[ChatMessage::new("user", "x")], false).expect_err("raises");
         assert!(err.to_string().contains("roles must alternate"), "{err}");
+    }
+
+    #[test]
+    fn tojson_writes_what_python_json_dumps_writes() {
+        let render = |source: &str| {
+            let t = ChatTemplate::new(source, "", "").expect("compiles");
+            t.render(&[ChatMessage::new("user", "x")], false).expect("renders")
+        };
+        let value = r#"{'b': [1, 2.5, 1e-7, none, true], 'a': "<it's & \"é\"\n>", 'e': {}}"#;
+        assert_eq!(
+            render(&format!("{{{{ {value} | tojson }}}}")),
+            r#"{"b": [1, 2.5, 1e-07, null, true], "a": "<it's & \"é\"\n>", "e": {}}"#
+        );
+        assert_eq!(
+            render(&format!("{{{{ {value} | tojson(indent=2, sort_keys=true, ensure_ascii=true) }}}}")),
+            "{\n  \"a\": \"<it's & \\\"\\u00e9\\\"\\n>\",\n  \"b\": [\n    1,\n    2.5,\n    1e-07,\n    null,\n    true\n  ],\n  \"e\": {}\n}"
+        );
+        assert_eq!(render("{{ [1, {'k': 'v'}] | tojson(separators=(',', ':')) }}"), r#"[1,{"k":"v"}]"#);
+        assert_eq!(render("{{ 2.0 | tojson }} {{ 1e16 | tojson }} {{ 123.25 | tojson }}"), "2.0 1e+16 123.25");
+    }
+
+    #[test]
+    fn strftime_now_formats_the_given_instant_in_utc() {
+        // 2025-03-07T14:05:09Z, a Friday.
+        let now = UNIX_EPOCH + std::time::Duration::from_secs(1_741_356_309);
+        let t = ChatTemplate::new("{{ strftime_now(fmt) }}", "", "").expect("compiles").with_now(now);
+        let format = |fmt: &str| {
+            let env = &t.env;
+            env.get_template(NAME).expect("template").render(context! { fmt => fmt }).expect("renders")
+        };
+        assert_eq!(format("%d %b %Y"), "07 Mar 2025");
+        assert_eq!(format("%Y-%m-%d"), "2025-03-07");
+        assert_eq!(format("%A %B %-d, %H:%M:%S %p %j %y"), "Friday March 7, 14:05:09 PM 066 25");
+        assert_eq!(format("%a %e %I %%"), "Fri  7 02 %");
+        assert_eq!(strftime(UNIX_EPOCH, "%F %T %a").expect("formats"), "1970-01-01 00:00:00 Thu");
+        let err = strftime(UNIX_EPOCH, "%Y %Q").expect_err("unknown directive");
+        assert!(err.to_string().contains("%Y %Q"), "{err}");
+    }
+
+    #[test]
+    fn blocks_are_trimmed_as_transformers_does() {
+        let source = "{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}\n";
+        let t = ChatTemplate::new(source, "", "").expect("compiles");
+        let text = t.render(&[ChatMessage::new("user", "a"), ChatMessage::new("user", "b")], false).expect("renders");
+        assert_eq!(text, "[a]\n[b]\n");
     }
 }

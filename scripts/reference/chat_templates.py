@@ -1,0 +1,143 @@
+"""Renders the real chat templates in engine/tests/data/chat_templates/ (the models' own, as
+llama.cpp keeps them in models/templates, copied unchanged from the llama-cpp-python 0.3.36
+sdist on PyPI) the way Hugging Face
+transformers' `apply_chat_template` does (its own `render_jinja_template`, called with the
+template text, so no tokenizer is downloaded) for a fixed set of conversations, and writes
+engine/tests/data/chat_templates/expected.json, which engine/tests/chat_templates.rs compares
+pd's rendering with. Run by hand (transformers is not a CI dependency):
+
+  target/refenv/bin/python scripts/reference/chat_templates.py
+
+`strftime_now` is pinned to NOW (transformers reads the local clock; pd the UTC one), and the
+test gives pd the same instant with `ChatTemplate::with_now`.
+"""
+
+import calendar
+import datetime as dt
+import json
+import pathlib
+
+import transformers
+from transformers.utils import chat_template_utils as ctu
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DATA = ROOT / "engine" / "tests" / "data" / "chat_templates"
+NOW = dt.datetime(2025, 3, 7, 14, 5, 9)
+
+
+class FixedDatetime(dt.datetime):
+    @classmethod
+    def now(cls, tz=None):
+        return NOW
+
+
+# transformers' strftime_now calls `datetime.now()` through this module global.
+ctu.datetime = FixedDatetime
+
+# The models' own special tokens ("" where the tokenizer has none: not passed to the template).
+TEMPLATES = {
+    "meta-llama-Llama-3.1-8B-Instruct": ("<|begin_of_text|>", "<|eot_id|>"),
+    "meta-llama-Llama-3.2-3B-Instruct": ("<|begin_of_text|>", "<|eot_id|>"),
+    "Qwen-Qwen2.5-7B-Instruct": ("", "<|im_end|>"),
+    "Qwen-Qwen3-0.6B": ("", "<|im_end|>"),
+    "google-gemma-2-2b-it": ("<bos>", "<eos>"),
+    "microsoft-Phi-3.5-mini-instruct": ("<s>", "<|endoftext|>"),
+    "mistralai-Mistral-Nemo-Instruct-2407": ("<s>", "</s>"),
+    "Mistral-Small-3.2-24B-Instruct-2506": ("<s>", "</s>"),
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": ("<|begin_of_text|>", "<|im_end|>"),
+    "HuggingFaceTB-SmolLM3-3B": ("", "<|im_end|>"),
+}
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather for a city, in °C. Use <city> names & don't abbreviate.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "description": "City name, e.g. Zürich"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                    "days": {"type": "integer", "minimum": 1, "default": 1},
+                },
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+HISTORY = [
+    {"role": "system", "content": "You are a concise assistant."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4."},
+    {"role": "user", "content": "And 3+3? Answer in one word."},
+]
+
+# Mistral templates want 9-character alphanumeric call ids.
+CALL = {
+    "id": "abc123XYZ",
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "arguments": {"city": "Paris", "days": 2, "precise": True, "threshold": 0.5, "tags": []},
+    },
+}
+
+CASES = {
+    "user_generation_prompt": ([{"role": "user", "content": "Hello! Who are you?"}], None, True),
+    "system_history_generation_prompt": (HISTORY, None, True),
+    "system_history_no_generation_prompt": (HISTORY, None, False),
+    "tools": ([{"role": "user", "content": "What's the weather in Paris?"}], TOOLS, True),
+    "tool_call_round_trip": (
+        [
+            {"role": "user", "content": "What's the weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "abc123XYZ", "content": '{"temperature": 18, "sky": "clear"}'},
+        ],
+        TOOLS,
+        True,
+    ),
+}
+
+
+def render(source, bos, eos, messages, tools, add_generation_prompt):
+    special = {k: v for k, v in (("bos_token", bos), ("eos_token", eos)) if v}
+    rendered, _ = ctu.render_jinja_template(
+        conversations=[json.loads(json.dumps(messages))],
+        tools=tools,
+        chat_template=source,
+        add_generation_prompt=add_generation_prompt,
+        **special,
+    )
+    return rendered[0]
+
+
+def main():
+    out = {
+        "transformers": transformers.__version__,
+        "now_utc_seconds": calendar.timegm(NOW.timetuple()),
+        "templates": {},
+    }
+    for name, (bos, eos) in TEMPLATES.items():
+        source = (DATA / f"{name}.jinja").read_text()
+        cases = {}
+        for case, (messages, tools, agp) in CASES.items():
+            entry = {"messages": messages, "tools": tools, "add_generation_prompt": agp}
+            try:
+                entry["text"] = render(source, bos, eos, messages, tools, agp)
+            except Exception as e:  # noqa: BLE001 - the template's own error is the expected result
+                entry["error"] = str(e)
+                entry["error_type"] = type(e).__name__
+                if tools is None and isinstance(e, TypeError):
+                    # A tool-use template iterating `tools` when there are none: Python raises,
+                    # minijinja iterates None as empty. What pd renders instead is this.
+                    entry["text_with_empty_tools"] = render(source, bos, eos, messages, [], agp)
+            cases[case] = entry
+        out["templates"][name] = {"bos": bos, "eos": eos, "cases": cases}
+        print(name, {c: ("error" if "error" in e else len(e["text"])) for c, e in cases.items()})
+    (DATA / "expected.json").write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
+
+
+if __name__ == "__main__":
+    main()
