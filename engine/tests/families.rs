@@ -30,7 +30,7 @@ fn families() -> Vec<PathBuf> {
         .filter(|p| p.join("reference.json").is_file())
         .collect();
     dirs.sort();
-    assert!(dirs.len() >= 14, "expected the fourteen family fixtures, found {dirs:?}");
+    assert!(dirs.len() >= 15, "expected the fifteen family fixtures, found {dirs:?}");
     dirs
 }
 

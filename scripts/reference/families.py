@@ -93,6 +93,11 @@ CASES = {
     # the last token outweighs everything and greedy decoding repeats it.
     "mistral-window": ("mistral", {"sliding_window": 16, "head_dim": 16}),
     "phi3-window": ("phi3", {"sliding_window": 16, "pad_token_id": 0, "original_max_position_embeddings": 128}),
+    # Qwen2 with use_sliding_window: layers from max_window_layers (1) on slide.
+    "qwen2-window": (
+        "qwen2",
+        {"tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+    ),
     "gemma2-window": (
         "gemma2",
         {

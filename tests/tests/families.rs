@@ -47,7 +47,7 @@ fn fixtures() -> Vec<PathBuf> {
         .filter(|p| p.join("reference.json").is_file())
         .collect();
     dirs.sort();
-    assert!(dirs.len() >= 14, "family fixtures: {dirs:?}");
+    assert!(dirs.len() >= 15, "family fixtures: {dirs:?}");
     dirs
 }
 

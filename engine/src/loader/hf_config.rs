@@ -102,7 +102,7 @@ pub(super) struct HfConfig {
 
 /// Families whose configs may set sliding-window layers that pd runs.
 fn windowed(family: Family) -> bool {
-    matches!(family, Family::Mistral | Family::Phi3 | Family::Gemma2 | Family::Gemma3)
+    !matches!(family, Family::Llama)
 }
 
 fn unsupported(field: &str, reason: impl Into<String>) -> EngineError {
@@ -153,9 +153,6 @@ impl HfConfig {
         }
         if self.flag("mlp_bias") {
             return Err(unsupported("mlp_bias", "true"));
-        }
-        if matches!(family, Family::Qwen2 | Family::Qwen3) && self.flag("use_sliding_window") {
-            return Err(unsupported("use_sliding_window", "true (sliding-window layers)"));
         }
         if let Some(p) = self.value("partial_rotary_factor").and_then(Value::as_f64) {
             if p != 1.0 {
@@ -289,8 +286,13 @@ impl HfConfig {
 
     /// The layers that attend within `sliding_window` (Mistral's and Phi-3's: all of them;
     /// Gemma's: `layer_types`, else every other layer for Gemma 2 and five in six for
-    /// Gemma 3, transformers' defaults). `None` where no layer slides.
+    /// Gemma 3; Qwen's only with `use_sliding_window`: `layer_types`, else the layers from
+    /// `max_window_layers` on; transformers' rules). `None` where no layer slides.
     fn sliding_window(&self, family: Family) -> Result<Option<SlidingWindow>> {
+        let qwen = matches!(family, Family::Qwen2 | Family::Qwen3);
+        if qwen && !self.flag("use_sliding_window") {
+            return Ok(None);
+        }
         let Some(size) = self.value("sliding_window").filter(|_| windowed(family)) else { return Ok(None) };
         let size = size
             .as_u64()
@@ -298,8 +300,15 @@ impl HfConfig {
             .ok_or_else(|| unsupported("sliding_window", format!("{size} (a positive number of positions)")))?;
         let n = self.num_hidden_layers;
         let layers: Vec<bool> = match (family, self.value("layer_types")) {
-            (Family::Gemma2 | Family::Gemma3, Some(Value::Array(types))) => {
+            (Family::Gemma2 | Family::Gemma3 | Family::Qwen2 | Family::Qwen3, Some(Value::Array(types))) => {
                 types.iter().map(|t| t.as_str() == Some("sliding_attention")).collect()
+            }
+            (Family::Qwen2 | Family::Qwen3, _) => {
+                let first = match self.value("max_window_layers") {
+                    None => 28,
+                    Some(v) => v.as_u64().ok_or_else(|| unsupported("max_window_layers", format!("{v}")))?,
+                };
+                (0..n).map(|i| i as u64 >= first).collect()
             }
             (Family::Gemma2, _) => (0..n).map(|i| !(i + 1).is_multiple_of(2)).collect(),
             (Family::Gemma3, _) => {
@@ -410,7 +419,6 @@ mod tests {
                 serde_json::json!({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}}),
                 "rope_parameters.partial_rotary_factor",
             ),
-            (serde_json::json!({"model_type": "qwen2", "use_sliding_window": true}), "use_sliding_window"),
         ];
         for (extra, field) in cases {
             let err = config(extra.clone()).expect_err("refused").to_string();
@@ -424,6 +432,11 @@ mod tests {
     fn families_set_their_parts() {
         let qwen2 = config(serde_json::json!({"model_type": "qwen2", "sliding_window": 32})).expect("valid");
         assert!(qwen2.parts.qkv_bias && !qwen2.parts.qk_norm && qwen2.max_position == 256);
+        assert_eq!(qwen2.parts.sliding_window, None, "Qwen's window applies only with use_sliding_window");
+        let qwen2 = config(serde_json::json!({"model_type": "qwen2", "sliding_window": 32,
+            "use_sliding_window": true, "max_window_layers": 1}))
+        .expect("valid");
+        assert_eq!(qwen2.parts.sliding_window.expect("a window").layers, vec![false, true]);
         let qwen3 = config(serde_json::json!({"model_type": "qwen3", "head_dim": 16})).expect("valid");
         assert!(qwen3.parts.qk_norm && !qwen3.parts.qkv_bias && qwen3.head_dim == 16);
         let mistral = config(serde_json::json!({"model_type": "mistral", "sliding_window": 128})).expect("valid");
