@@ -1,17 +1,29 @@
-//! Text <-> token ids. For GGUF checkpoints the tokenizer is built from the file's own vocab
-//! and merges (byte-level BPE, digits split one by one, control tokens special), which
-//! reproduces llama.cpp's ids; for Hugging Face folders it is read from tokenizer.json.
+//! Text <-> token ids. For GGUF checkpoints the tokenizer is built from the file's own
+//! metadata: byte-level BPE vocabularies (`gpt2`: vocab and merges, digits split one by one,
+//! control tokens special), which reproduces llama.cpp's ids, and SentencePiece vocabularies
+//! (`llama`: Llama 2, Mistral, Phi-3, Gemma), built the way Hugging Face transformers converts
+//! them (a BPE with byte fallback whose merges come from the token scores). For Hugging Face
+//! folders it is read from tokenizer.json.
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::quantized::gguf_file::Value;
+use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
 use tokenizers::models::bpe::BPE;
+use tokenizers::normalizers::{Prepend, Replace};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
 use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::{AddedToken, PreTokenizerWrapper};
+use tokenizers::pre_tokenizers::split::Split;
+use tokenizers::{
+    AddedToken, DecoderWrapper, ModelWrapper, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior,
+};
 
 use crate::constraint::Grammars;
 use crate::error::{EngineError, Result};
@@ -44,10 +56,14 @@ impl Tokenizer {
             metadata.get(key).ok_or_else(|| EngineError::Tokenizer(format!("GGUF metadata has no `{key}`")))
         };
         let model = get("tokenizer.ggml.model")?.to_string().map_err(tok_err)?;
-        if model != "gpt2" {
-            return Err(EngineError::Tokenizer(format!(
-                "tokenizer model `{model}` is not supported (byte-level BPE `gpt2` is)"
-            )));
+        match model.as_str() {
+            "gpt2" => {}
+            "llama" => return Self::from_gguf_sentencepiece(metadata),
+            _ => {
+                return Err(EngineError::Tokenizer(format!(
+                    "tokenizer model `{model}` is not supported (byte-level BPE `gpt2` and SentencePiece `llama` are)"
+                )))
+            }
         }
         let tokens: Vec<String> = get("tokenizer.ggml.tokens")?
             .to_vec()
@@ -87,8 +103,145 @@ impl Tokenizer {
             .collect();
         inner.add_special_tokens(special).map_err(tok_err)?;
         let id = |key: &str| metadata.get(key).and_then(|v| v.to_u32().ok());
-        let eos_ids: Vec<u32> =
-            ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"].iter().filter_map(|k| id(k)).collect();
+        let eos_ids = end_of_generation_ids(metadata, &tokens);
+        Ok(Tokenizer { inner, eos_ids, bos_id: id("tokenizer.ggml.bos_token_id"), grammars: Default::default() })
+    }
+
+    /// A SentencePiece vocabulary (`tokenizer.ggml.model == "llama"`), converted as transformers'
+    /// GGUF loader does: a BPE with byte fallback over the file's tokens, its merges those of
+    /// the file or else every split of a token into two tokens, best score first (Gemma: first
+    /// in the file first). Spaces become "▁"; a "▁" is put before the text (Phi-3: always, by
+    /// normalizer; Llama, Mistral: by `Metaspace`, unless the text starts with a space; Gemma:
+    /// never) unless `tokenizer.ggml.add_space_prefix` is false, and decoding takes it off again.
+    /// Control tokens (and the bos/eos/unk/padding tokens) are special, user-defined ones added,
+    /// both matched whole in the text.
+    fn from_gguf_sentencepiece(metadata: &HashMap<String, Value>) -> Result<Self> {
+        let get = |key: &str| {
+            metadata.get(key).ok_or_else(|| EngineError::Tokenizer(format!("GGUF metadata has no `{key}`")))
+        };
+        let file_tokens: Vec<String> = get("tokenizer.ggml.tokens")?
+            .to_vec()
+            .map_err(tok_err)?
+            .iter()
+            .map(|v| v.to_string().cloned().map_err(tok_err))
+            .collect::<Result<_>>()?;
+        let types: Vec<i32> = match metadata.get("tokenizer.ggml.token_type") {
+            Some(v) => {
+                v.to_vec().map_err(tok_err)?.iter().map(|t| t.to_i32().map_err(tok_err)).collect::<Result<_>>()?
+            }
+            None => vec![1; file_tokens.len()],
+        };
+        let architecture = metadata.get("general.architecture").and_then(|v| v.to_string().ok()).map(String::as_str);
+        let gemma = matches!(architecture, Some("gemma" | "gemma2" | "gemma3"));
+        // Gemma files spell tokens of two or more spaces with real spaces; its normalizer makes
+        // every space "▁", so they are renamed to match.
+        let tokens: Vec<String> = if gemma {
+            file_tokens
+                .iter()
+                .map(|t| match t.contains(' ') && t.chars().all(python_whitespace) {
+                    true => "▁".repeat(t.chars().count()),
+                    false => t.clone(),
+                })
+                .collect()
+        } else {
+            file_tokens.clone()
+        };
+        let merges: Vec<(String, String)> = match metadata.get("tokenizer.ggml.merges") {
+            Some(merges) => merges
+                .to_vec()
+                .map_err(tok_err)?
+                .iter()
+                .map(|v| {
+                    let m = v.to_string().map_err(tok_err)?;
+                    m.split_once(' ')
+                        .map(|(a, b)| (a.to_string(), b.to_string()))
+                        .ok_or_else(|| EngineError::Tokenizer(format!("merge `{m}` has no space")))
+                })
+                .collect::<Result<_>>()?,
+            None if gemma => {
+                // Gemma's scores do not follow its merge order; the order in the file does.
+                let positions: Vec<f64> = (0..tokens.len()).map(|i| -(i as f64)).collect();
+                merges_from_scores(&tokens, &positions)
+            }
+            None => {
+                let scores: Vec<f64> = get("tokenizer.ggml.scores")?
+                    .to_vec()
+                    .map_err(tok_err)?
+                    .iter()
+                    .map(|s| s.to_f32().map(f64::from).map_err(tok_err))
+                    .collect::<Result<_>>()?;
+                if scores.len() != tokens.len() {
+                    return Err(EngineError::Tokenizer(format!(
+                        "GGUF has {} tokens but {} scores",
+                        tokens.len(),
+                        scores.len()
+                    )));
+                }
+                merges_from_scores(&tokens, &scores)
+            }
+        };
+        let id = |key: &str| metadata.get(key).and_then(|v| v.to_u32().ok());
+        let token_of = |key: &str| id(key).and_then(|i| file_tokens.get(i as usize)).cloned();
+        let vocab: tokenizers::models::bpe::Vocab =
+            tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let mut bpe = BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true).fuse_unk(true);
+        if let Some(unk) = token_of("tokenizer.ggml.unknown_token_id") {
+            bpe = bpe.unk_token(unk);
+        }
+        let mut inner = tokenizers::Tokenizer::new(bpe.build().map_err(tok_err)?);
+
+        let add_space_prefix =
+            metadata.get("tokenizer.ggml.add_space_prefix").and_then(|v| v.to_bool().ok()).unwrap_or(true);
+        let space = || Replace::new(" ", "▁").map_err(tok_err);
+        let mut decoders: Vec<DecoderWrapper> =
+            vec![Replace::new("▁", " ").map_err(tok_err)?.into(), ByteFallback::new().into(), Fuse::new().into()];
+        if gemma {
+            inner.with_normalizer(Some(space()?)).map_err(tok_err)?;
+            inner.with_pre_tokenizer(Some(
+                Split::new(" ", SplitDelimiterBehavior::MergedWithPrevious, false).map_err(tok_err)?,
+            ));
+        } else {
+            if architecture == Some("phi3") {
+                let mut normalizers: Vec<NormalizerWrapper> = vec![space()?.into()];
+                if add_space_prefix {
+                    normalizers.insert(0, Prepend::new("▁".to_string()).into());
+                }
+                inner.with_normalizer(Some(tokenizers::normalizers::Sequence::new(normalizers))).map_err(tok_err)?;
+            } else {
+                let scheme = if add_space_prefix { PrependScheme::First } else { PrependScheme::Never };
+                inner.with_pre_tokenizer(Some(Metaspace::new('▁', scheme, false)));
+            }
+            if add_space_prefix {
+                decoders.push(Strip::new(' ', 1, 0).into());
+            }
+        }
+        inner.with_decoder(Some(DecoderSequence::new(decoders)));
+
+        // Named special tokens first, as transformers registers them, then control tokens; a
+        // token whose spelling is not in the vocabulary (Gemma's renamed spaces) is left out so
+        // that no id is made up.
+        let spelled: std::collections::HashSet<&str> = tokens.iter().map(String::as_str).collect();
+        let in_vocab = |t: &String| spelled.contains(t.as_str());
+        let mut special: Vec<String> = ["bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"]
+            .iter()
+            .filter_map(|k| token_of(&format!("tokenizer.ggml.{k}")))
+            .collect();
+        special
+            .extend(file_tokens.iter().zip(&types).filter(|(_, &t)| t == GGUF_TOKEN_CONTROL).map(|(t, _)| t.clone()));
+        let mut seen = std::collections::HashSet::new();
+        special.retain(|t| in_vocab(t) && seen.insert(t.clone()));
+        let user: Vec<AddedToken> = file_tokens
+            .iter()
+            .zip(&types)
+            .filter(|(t, &ty)| ty == GGUF_TOKEN_USER_DEFINED && !seen.contains(*t) && in_vocab(t))
+            .map(|(t, _)| AddedToken::from(t.clone(), false).normalized(false))
+            .collect();
+        let special: Vec<AddedToken> =
+            special.into_iter().map(|t| AddedToken::from(t, true).normalized(false)).collect();
+        inner.add_special_tokens(special).map_err(tok_err)?;
+        inner.add_tokens(user).map_err(tok_err)?;
+
+        let eos_ids = end_of_generation_ids(metadata, &file_tokens);
         Ok(Tokenizer { inner, eos_ids, bos_id: id("tokenizer.ggml.bos_token_id"), grammars: Default::default() })
     }
 
@@ -184,12 +337,95 @@ impl Tokenizer {
         if let Some(bytes) = self.id_to_token(id).as_deref().filter(|_| byte_level).and_then(byte_level_bytes) {
             return bytes;
         }
+        if let Some(bytes) = self.sentencepiece_bytes(id) {
+            return bytes;
+        }
         match self.decode(&[id], false).unwrap_or_default() {
             // A decoder that drops a lone token's text (a bare space): the vocabulary's own.
             text if text.is_empty() => self.id_to_token(id).unwrap_or_default().into_bytes(),
             text => text.into_bytes(),
         }
     }
+    /// The bytes of a SentencePiece piece (a BPE with byte fallback): `<0xHH>` is that byte, other
+    /// pieces their text with "▁" as a space (decoding one alone would drop a leading space).
+    /// None for other vocabularies and for added tokens.
+    fn sentencepiece_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        let ModelWrapper::BPE(bpe) = self.inner.get_model() else { return None };
+        if !bpe.byte_fallback || self.inner.get_added_vocabulary().simple_id_to_token(id).is_some() {
+            return None;
+        }
+        let token = self.id_to_token(id)?;
+        let hex = token.strip_prefix("<0x").and_then(|t| t.strip_suffix('>')).filter(|h| h.len() == 2);
+        match hex.map(|h| u8::from_str_radix(h, 16)) {
+            Some(Ok(byte)) => Some(vec![byte]),
+            _ => Some(token.replace('▁', " ").into_bytes()),
+        }
+    }
+}
+
+/// The ids that end a generation in a GGUF file's vocabulary: its eos, eot and eom tokens,
+/// and, as llama.cpp does, every token spelled as a chat format's end of turn. Files often
+/// name only `<|endoftext|>` as eos while the model ends its turns with `<|end|>` (Phi-3),
+/// `<|eot_id|>` (Llama 3) or `<end_of_turn>` (Gemma), whose generation configs list them.
+fn end_of_generation_ids(metadata: &HashMap<String, Value>, tokens: &[String]) -> Vec<u32> {
+    const TURN_ENDS: [&str; 9] = [
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<EOT>",
+        "<｜end▁of▁sentence｜>",
+        "<|end_of_text|>",
+    ];
+    let keys = ["eos_token_id", "eot_token_id", "eom_token_id"];
+    let mut ids: Vec<u32> = keys
+        .iter()
+        .filter_map(|k| metadata.get(&format!("tokenizer.ggml.{k}")).and_then(|v| v.to_u32().ok()))
+        .collect();
+    ids.extend(tokens.iter().enumerate().filter(|(_, t)| TURN_ENDS.contains(&t.as_str())).map(|(i, _)| i as u32));
+    let mut seen = std::collections::HashSet::new();
+    ids.retain(|id| seen.insert(*id));
+    ids
+}
+
+/// Python's `str.isspace` (what transformers tests tokens with): Unicode white space and the
+/// separators U+001C..U+001F.
+fn python_whitespace(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+/// transformers' `generate_merges` with scores: every split of a token into two tokens, the
+/// splits of one token ordered by their ids, then all sorted (stably) by the token's score,
+/// then the lengths (in characters) of the left and the right part, all descending. A token
+/// listed twice has the id and score of its last listing and the place of its first.
+fn merges_from_scores(tokens: &[String], scores: &[f64]) -> Vec<(String, String)> {
+    let mut ids: HashMap<&str, u32> = HashMap::with_capacity(tokens.len());
+    let mut score_of: HashMap<&str, f64> = HashMap::with_capacity(tokens.len());
+    let mut order: Vec<&str> = Vec::with_capacity(tokens.len());
+    for (i, (token, &score)) in tokens.iter().zip(scores).enumerate() {
+        ids.insert(token, i as u32);
+        if score_of.insert(token, score).is_none() {
+            order.push(token);
+        }
+    }
+    let mut merges: Vec<(f64, usize, usize, &str, &str)> = Vec::new();
+    for token in order {
+        let score = score_of[token];
+        let mut local: Vec<(u32, u32, &str, &str)> = token
+            .char_indices()
+            .skip(1)
+            .filter_map(|(at, _)| {
+                let (left, right) = token.split_at(at);
+                Some((*ids.get(left)?, *ids.get(right)?, left, right))
+            })
+            .collect();
+        local.sort_by_key(|&(l, r, _, _)| (l, r));
+        merges.extend(local.into_iter().map(|(_, _, l, r)| (score, l.chars().count(), r.chars().count(), l, r)));
+    }
+    merges.sort_by(|a, b| (b.0, b.1, b.2).partial_cmp(&(a.0, a.1, a.2)).unwrap_or(std::cmp::Ordering::Equal));
+    merges.into_iter().map(|(_, _, _, l, r)| (l.to_string(), r.to_string())).collect()
 }
 
 /// GPT-2's byte-level alphabet, inverted: the byte each of its 256 characters stands for.
@@ -213,4 +449,90 @@ fn byte_level_bytes(token: &str) -> Option<Vec<u8>> {
         map
     });
     token.chars().map(|c| inverse.get(&c).copied()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(items: &[&str]) -> Value {
+        Value::Array(items.iter().map(|s| Value::String(s.to_string())).collect())
+    }
+
+    /// A tiny SentencePiece vocabulary: `<unk>`, `<s>`, `</s>`, one byte token, "▁hi" and its
+    /// parts, and the control token `<|user|>`.
+    fn spm_metadata(architecture: &str) -> HashMap<String, Value> {
+        let tokens = ["<unk>", "<s>", "</s>", "<0x0A>", "▁", "h", "i", "▁h", "hi", "▁hi", "<|user|>"];
+        let scores = [0.0, 0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0, 0.0];
+        let types = [2, 3, 3, 6, 1, 1, 1, 1, 1, 1, 3];
+        HashMap::from([
+            ("general.architecture".to_string(), Value::String(architecture.to_string())),
+            ("tokenizer.ggml.model".to_string(), Value::String("llama".to_string())),
+            ("tokenizer.ggml.tokens".to_string(), strings(&tokens)),
+            ("tokenizer.ggml.scores".to_string(), Value::Array(scores.iter().map(|&s| Value::F32(s)).collect())),
+            ("tokenizer.ggml.token_type".to_string(), Value::Array(types.iter().map(|&t| Value::I32(t)).collect())),
+            ("tokenizer.ggml.unknown_token_id".to_string(), Value::U32(0)),
+            ("tokenizer.ggml.bos_token_id".to_string(), Value::U32(1)),
+            ("tokenizer.ggml.eos_token_id".to_string(), Value::U32(2)),
+        ])
+    }
+
+    #[test]
+    fn other_tokenizer_models_are_refused_by_name() {
+        let mut metadata = spm_metadata("bert");
+        metadata.insert("tokenizer.ggml.model".to_string(), Value::String("bert".to_string()));
+        let err = Tokenizer::from_gguf(&metadata).expect_err("refused").to_string();
+        assert!(err.contains("`bert` is not supported"), "{err}");
+    }
+
+    #[test]
+    fn merges_follow_transformers_generate_merges() {
+        let tokens: Vec<String> = ["<unk>", "<s>", "</s>", "<0x0A>", "▁", "h", "i", "▁h", "hi", "▁hi", "<|user|>"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let scores = [0.0, 0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0, 0.0];
+        // transformers.tokenization_utils_base.generate_merges(vocab, dict(zip(tokens, scores)))
+        let expected = [("▁", "h"), ("h", "i"), ("▁h", "i"), ("▁", "hi")];
+        let merges = merges_from_scores(&tokens, &scores);
+        assert_eq!(merges, expected.map(|(a, b)| (a.to_string(), b.to_string())));
+    }
+
+    #[test]
+    fn sentencepiece_vocabulary_as_transformers_builds_it() {
+        let tok = Tokenizer::from_gguf(&spm_metadata("llama")).expect("builds");
+        // Ids from Python `tokenizers` with the same model, Metaspace(prepend_scheme="first").
+        assert_eq!(tok.encode("hi hi").expect("encodes"), [9, 9]);
+        assert_eq!(tok.encode("\n").expect("encodes"), [4, 3]);
+        assert_eq!(tok.encode("<|user|>hi hi").expect("encodes"), [10, 8, 9]);
+        assert_eq!(tok.encode(" hi").expect("encodes"), [9]);
+        // No byte token for "x": the unknown token (transformers sets none and drops it).
+        assert_eq!(tok.encode("x").expect("encodes"), [4, 0]);
+        assert_eq!(tok.decode(&[9, 9], false).expect("decodes"), "hi hi");
+        assert_eq!(tok.decode(&[10, 8, 9], true).expect("decodes"), "hi hi");
+        assert_eq!(tok.eos_ids(), [2]);
+        let mut turn_end = spm_metadata("phi3");
+        if let Some(Value::Array(tokens)) = turn_end.get_mut("tokenizer.ggml.tokens") {
+            tokens[10] = Value::String("<|end|>".into());
+        }
+        let ends = Tokenizer::from_gguf(&turn_end).expect("builds");
+        assert_eq!(ends.eos_ids(), [2, 10], "a chat format's end of turn ends generation too");
+        assert_eq!(tok.bos_id(), Some(1));
+        assert_eq!(tok.vocab_size(), 11);
+        assert_eq!(tok.token_bytes(9), b" hi");
+        assert_eq!(tok.token_bytes(3), b"\n");
+        assert_eq!(tok.token_bytes(10), b"<|user|>");
+
+        // Phi-3: "▁" put before any text, even one that starts with a space.
+        let phi3 = Tokenizer::from_gguf(&spm_metadata("phi3")).expect("builds");
+        assert_eq!(phi3.encode(" hi").expect("encodes"), [4, 9]);
+        assert_eq!(phi3.decode(&[4, 9], false).expect("decodes"), " hi");
+
+        // add_space_prefix = false: no "▁" before the text, and none taken off in decoding.
+        let mut metadata = spm_metadata("llama");
+        metadata.insert("tokenizer.ggml.add_space_prefix".to_string(), Value::Bool(false));
+        let bare = Tokenizer::from_gguf(&metadata).expect("builds");
+        assert_eq!(bare.encode("hi hi").expect("encodes"), [8, 9]);
+        assert_eq!(bare.decode(&[8, 9], false).expect("decodes"), "hi hi");
+    }
 }
