@@ -5,11 +5,13 @@
 # (PyPI; cmake from PyPI into a venv), once, under target/llamacpp/.
 # Cells: prefill pp128/512/2048; decode tg at depth 512 (batch 1); batched decode at depth
 # 512 with 1, 4 and 16 sequences (aggregate tok/s). Writes bench/results/engine/.
-#   bench/engine-vs-llamacpp.sh            (CORE=1, WEIGHTS="wq f16")
+#   bench/engine-vs-llamacpp.sh            (CORE=1, WEIGHTS="wq f16", OUT=bench/results/engine)
+#   PD_MODEL=target/bench-models/llama-3.2-1b.q4_1.gguf OUT=bench/results/engine-1b WEIGHTS=wq \
+#       bench/engine-vs-llamacpp.sh         (random weights at Llama-3.2-1B geometry: bench/random_gguf.py)
 #   bench/engine-vs-llamacpp.sh --build    (only build llama.cpp)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-out=bench/results/engine
+out="${OUT:-bench/results/engine}"
 work=target/llamacpp
 core="${CORE:-1}"
 weights="${WEIGHTS:-wq f16}"
