@@ -12,6 +12,7 @@ pub mod config;
 pub mod constraint;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod embedding;
 pub mod engine;
 pub mod error;
 pub mod kv;

@@ -16,6 +16,7 @@ use candle_core::{DType, Device, Module, Tensor};
 
 use crate::attention::{paged_attention, Heads, SeqPlan};
 use crate::config::{Activation, ModelConfig, RopeStyle, WeightFormat};
+use crate::embedding::Embedding;
 use crate::error::{EngineError, Result};
 use crate::kv::cache::{KvCache, SequenceKv};
 use crate::loader::{RawTensor, TensorSource};
@@ -112,8 +113,8 @@ pub struct BatchSeq<'a> {
 #[derive(Debug)]
 pub struct Model {
     config: ModelConfig,
-    /// Dense token embeddings `[vocab, hidden]` for lookups.
-    embed: Tensor,
+    /// Token embeddings `[vocab, hidden]`, as the checkpoint stores them.
+    embed: Embedding,
     layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Linear,
@@ -158,7 +159,7 @@ impl Model {
         let (hidden, kv_width) = (c.hidden_size, c.kv_width());
         let q_width = c.num_heads * c.head_dim;
         let embed_raw = required(source, "token_embd.weight", &[c.vocab_size, hidden])?;
-        let embed = embed_raw.dequantize()?.to_device(device)?;
+        let embed = Embedding::new(&embed_raw, device)?;
         let norm = dense_vector(required(source, "output_norm.weight", &[hidden])?, device)?;
         let lm_head = match source.take("output.weight")? {
             Some(w) => {
@@ -355,7 +356,7 @@ impl Model {
         }
         let rows = ids.len();
         let dev = &self.device;
-        let ids = Tensor::from_vec(ids, rows, dev)?;
+        let embedded = self.embed.lookup(&ids, dev)?;
         let positions = Tensor::from_vec(positions, rows, dev)?;
         let half = c.head_dim / 2;
         let at_positions =
@@ -374,7 +375,7 @@ impl Model {
         let (q_width, kv_width) = (c.num_heads * c.head_dim, c.kv_width());
         let eps = c.rms_norm_eps as f32;
 
-        let mut x = self.embed.index_select(&ids, 0)?;
+        let mut x = embedded;
         if let Some(scale) = c.parts.embed_scale {
             x = (x * scale as f64)?;
         }

@@ -64,8 +64,13 @@ fn prompt(len: usize, salt: usize) -> Vec<u32> {
 }
 
 fn peak_rss_mib() -> Option<f64> {
+    status_mib("VmHWM:")
+}
+
+/// A memory figure of this process from /proc/self/status (VmHWM: peak, VmRSS: now).
+fn status_mib(key: &str) -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let line = status.lines().find(|l| l.starts_with(key))?;
     let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib / 1024.0)
 }
@@ -190,8 +195,30 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(rss) = peak_rss_mib() {
         println!("| peak RSS | {rss:.0} MiB |");
+        if let Some(now) = status_mib("VmRSS:") {
+            println!("| RSS at the end | {now:.0} MiB |");
+        }
+        // The memory budget a deployment plans with: the weight file plus the KV pool.
+        let file_mib = std::fs::metadata(&args.model).map(|m| m.len()).unwrap_or(0) as f64 / MIB;
+        let pool_mib = kv_pool_bytes(engine.cache()) as f64 / MIB;
+        println!(
+            "| peak RSS / (model file {file_mib:.0} MiB + KV pool {pool_mib:.0} MiB) | {:.3} |",
+            rss / (file_mib + pool_mib)
+        );
     }
     Ok(())
+}
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// Bytes the KV pool holds: every layer's K and V tensors.
+fn kv_pool_bytes(cache: &pd_engine::KvCache) -> usize {
+    let mut bytes = 0;
+    for layer in 0..cache.num_layers() {
+        let (k, v) = cache.layer(layer);
+        bytes += (k.elem_count() + v.elem_count()) * cache.dtype().size_in_bytes();
+    }
+    bytes
 }
 
 /// One batch size's timed steps: batch, total wall time, time per kind of operation.
