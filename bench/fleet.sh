@@ -6,7 +6,8 @@
 #   3. scale:    a fast cost model (cost-fast.json: 1 ms prefill steps, 5 ms decode steps) so
 #                the router is the bottleneck: 8, 32 and 128 workers (half each pool) at a
 #                fixed open-loop rate -> client latency, router CPU per request, router CPU
-#                while idle (its Load polling); then a closed loop on 128 workers -> req/s;
+#                while idle (its Load polling); then a closed loop of 64 clients -> req/s and
+#                router CPU per request (PERF=1: a perf profile of the router at 128 workers);
 #   4. goodput:  disaggregated (4 prefill + 4 decode) vs colocated (8 decode, prompts
 #                prefilled in their batches) simulated CPU workers, same traffic and SLOs, and
 #                8 workers split as `pd-bench plan` sizes the pools for that load test;
@@ -145,9 +146,19 @@ if has scale; then
         busy0=$(cpu_s "$router_pid")
         bench "scale-$n" "$out/scenarios/scale.txt" 1
         busy1=$(cpu_s "$router_pid")
-        echo "workers=$n idle_cpu_s_per_s=$(python3 -c "print(round(($idle1 - $idle0) / 10, 4))") run_cpu_s=$(python3 -c "print(round($busy1 - $busy0, 3))")" \
+        # Closed loop: what the router sustains, and its CPU per request when it is the bottleneck.
+        # PERF=1: a perf profile of the router (DWARF call graphs) over 10 s of the closed loop.
+        if [[ -n "${PERF:-}" && $n == 128 ]]; then
+            perf record -q -F 499 --call-graph dwarf,16384 -p "$router_pid" -o "$out/logs/router-$n.perf.data" \
+                -- sleep 10 >/dev/null 2>&1 &
+            perf_pid=$!
+        fi
+        closed0=$(cpu_s "$router_pid")
+        bench "scale-closed-$n" "$out/scenarios/scale-closed.txt" 1
+        closed1=$(cpu_s "$router_pid")
+        [[ -n "${perf_pid:-}" ]] && { wait "$perf_pid" || true; perf_pid=; }
+        echo "workers=$n idle_cpu_s_per_s=$(python3 -c "print(round(($idle1 - $idle0) / 10, 4))") run_cpu_s=$(python3 -c "print(round($busy1 - $busy0, 3))") closed_cpu_s=$(python3 -c "print(round($closed1 - $closed0, 3))")" \
             >>"$out/runs/scale-cpu.txt"
-        if [[ $n == 128 ]]; then bench scale-closed-128 "$out/scenarios/scale-closed.txt" 1; fi
         stop
     done
 fi

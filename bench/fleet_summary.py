@@ -111,13 +111,20 @@ if scale_cpu:
         idle = float(scale_cpu[n]["idle_cpu_s_per_s"]) * 100
         print(f"| {n} | {r['requests']} | {r['errors']} | {fmt(q(r, 'ttft_ms', 'p50'))} / {fmt(q(r, 'ttft_ms', 'p99'))} | "
               f"{fmt(q(r, 'itl_ms', 'p50'))} / {fmt(q(r, 'itl_ms', 'p99'))} | {per_req:.2f} | {idle:.1f}% of a core |")
-    s = summary("scale-closed-128")
-    r = row(s, "interactive")
-    if r:
+    print("\nClosed loop, 64 clients (`scenarios/scale-closed.txt`), the load generator on the other core:\n")
+    print("| workers | requests/s completed | requests | errors | client TTFT p50 / p99 ms | router CPU ms per request |")
+    print("|---|---|---|---|---|---|")
+    for n in sorted(scale_cpu):
+        s = summary(f"scale-closed-{n}")
+        r = row(s, "interactive")
+        if r is None:
+            continue
         rps = (r["requests"] - r["errors"]) / s["duration_s"]
-        print(f"\nClosed loop, 64 clients, 128 workers (`scenarios/scale-closed.txt`): **{rps:,.0f} requests/s** completed "
-              f"({r['requests']} requests, {r['errors']} errors), TTFT p50 / p99 {fmt(q(r, 'ttft_ms', 'p50'))} / "
-              f"{fmt(q(r, 'ttft_ms', 'p99'))} ms, with the load generator on the other core.\n")
+        closed = scale_cpu[n].get("closed_cpu_s")
+        per_req = "-" if closed is None else f"{float(closed) * 1e3 / max(r['requests'], 1):.3f}"
+        print(f"| {n} | **{rps:,.0f}** | {r['requests']} | {r['errors']} | {fmt(q(r, 'ttft_ms', 'p50'))} / "
+              f"{fmt(q(r, 'ttft_ms', 'p99'))} | {per_req} |")
+    print()
 
 dis, col, planned = summary("goodput-disagg"), summary("goodput-colocated"), summary("goodput-planned")
 split = "as planned"

@@ -73,29 +73,30 @@ mod tests {
     use super::*;
     use candle_core::quantized::QTensor;
 
+    fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        Ok((a - b)?.abs()?.max_all()?.to_scalar::<f32>()?)
+    }
+
     #[test]
-    fn quantized_rows_widen_to_what_the_whole_table_dequantizes_to() {
+    fn quantized_rows_widen_to_what_the_whole_table_dequantizes_to() -> Result<()> {
         let (vocab, hidden) = (40, 64);
         let values: Vec<f32> = (0..vocab * hidden).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
-        let dense = Tensor::from_vec(values, (vocab, hidden), &Device::Cpu).unwrap();
+        let dense = Tensor::from_vec(values, (vocab, hidden), &Device::Cpu)?;
         let ids = [3u32, 0, 39, 3, 17];
-        let select = Tensor::new(&ids[..], &Device::Cpu).unwrap();
+        let select = Tensor::new(&ids[..], &Device::Cpu)?;
         for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::F16, GgmlDType::F32] {
-            let q = QTensor::quantize(&dense, dtype).unwrap();
-            let want = q.dequantize(&Device::Cpu).unwrap().index_select(&select, 0).unwrap();
-            let table = Embedding::new(&RawTensor::Quant(q), &Device::Cpu).unwrap();
+            let q = QTensor::quantize(&dense, dtype)?;
+            let want = q.dequantize(&Device::Cpu)?.index_select(&select, 0)?;
+            let table = Embedding::new(&RawTensor::Quant(q), &Device::Cpu)?;
             assert!(matches!(table, Embedding::Blocks { .. }));
-            let got = table.lookup(&ids, &Device::Cpu).unwrap();
-            let diff = (got - &want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-            assert_eq!(diff, 0.0, "{dtype:?}");
+            assert_eq!(max_diff(&table.lookup(&ids, &Device::Cpu)?, &want)?, 0.0, "{dtype:?}");
         }
         // A dense bf16 table keeps its dtype and gives f32 rows.
-        let bf16 = dense.to_dtype(DType::BF16).unwrap();
-        let table = Embedding::new(&RawTensor::Dense(bf16.clone()), &Device::Cpu).unwrap();
-        let got = table.lookup(&ids, &Device::Cpu).unwrap();
-        let want = bf16.to_dtype(DType::F32).unwrap().index_select(&select, 0).unwrap();
+        let bf16 = dense.to_dtype(DType::BF16)?;
+        let table = Embedding::new(&RawTensor::Dense(bf16.clone()), &Device::Cpu)?;
+        let got = table.lookup(&ids, &Device::Cpu)?;
         assert_eq!(got.dtype(), DType::F32);
-        let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-        assert_eq!(diff, 0.0);
+        assert_eq!(max_diff(&got, &bf16.to_dtype(DType::F32)?.index_select(&select, 0)?)?, 0.0);
+        Ok(())
     }
 }

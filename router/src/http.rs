@@ -85,13 +85,15 @@ impl AppState {
     ) -> Result<(ValidRequest, Arc<Class>, RequestRecord), RouterError> {
         let Caller { class, tenant } = caller;
         let state = self.clone();
+        let run = move |p: GenerateParams| {
+            let (given, field) = (p.max_tokens.is_some(), p.max_tokens_field);
+            validate(p, &state.text, &state.model_name, &state.limits).map(|r| (r, given, field))
+        };
         let validated = match params {
-            Ok(p) => tokio::task::spawn_blocking(move || {
-                let (given, field) = (p.max_tokens.is_some(), p.max_tokens_field);
-                validate(p, &state.text, &state.model_name, &state.limits).map(|r| (r, given, field))
-            })
-            .await
-            .unwrap_or_else(|e| Err(RouterError::Unprocessable(format!("validation failed: {e}")))),
+            Ok(p) if p.is_light() => run(p),
+            Ok(p) => tokio::task::spawn_blocking(move || run(p))
+                .await
+                .unwrap_or_else(|e| Err(RouterError::Unprocessable(format!("validation failed: {e}")))),
             Err(e) => Err(e),
         };
         let label = class.as_ref().map_or_else(|_| RequestClass::default_class(), |c| c.label());

@@ -148,6 +148,27 @@ pub struct GenerateParams {
     pub echo: bool,
 }
 
+/// Prompt text up to this many bytes is validated on the async runtime (`GenerateParams::is_light`).
+const LIGHT_TEXT_BYTES: usize = 4096;
+
+impl GenerateParams {
+    /// Cheap enough to validate on the async runtime rather than the blocking pool: a short
+    /// text and nothing to compile (a schema or tools). Rendering and tokenizing a few hundred
+    /// bytes takes tens of microseconds, less than the hand-off to a blocking thread and back
+    /// (two thread wake-ups), which the router paid on every request.
+    pub fn is_light(&self) -> bool {
+        fn text_bytes(input: &Input) -> usize {
+            match input {
+                Input::Prompt(p) => p.len(),
+                Input::Messages(turns) => turns.iter().map(|t| t.content.len() + 64 * t.calls.len()).sum(),
+                Input::Tokens(t) => t.len(),
+                Input::Batch(all) => all.iter().map(text_bytes).sum(),
+            }
+        }
+        self.constraint.is_none() && self.tools.is_none() && text_bytes(&self.input) <= LIGHT_TEXT_BYTES
+    }
+}
+
 /// A request the cluster can run.
 #[derive(Debug, Clone)]
 pub struct ValidRequest {
