@@ -230,52 +230,45 @@ impl Scheduler {
     ) -> Result<Pending, RouterError> {
         let tokens = prompt.len();
         let mut inner = self.lock();
+        let now = Instant::now(); // the one instant this event reads
         if inner.fleet.decode.is_empty() {
             return Err(RouterError::NoWorker("decode"));
         }
         // What must be computed: a cached prefix costs no prefill time.
-        let work = tokens - inner.fleet.expected_cached(&prompt, Instant::now()).min(tokens);
+        let work = tokens - inner.fleet.expected_cached(&prompt, now).min(tokens);
         let (_, rate) = inner.fleet.prefill_pool(self.config.prior_tokens_per_s, self.config.step_budget);
         let in_flight: Vec<usize> = inner.fleet.prefill.iter().flat_map(|p| p.in_flight_tokens()).collect();
-        let ahead = policy::tokens_ahead(&inner.waiting, class.spec.priority, &in_flight, work);
-        // The wait the queue causes (the request's own prefill is not overload): the prefill
-        // work ahead at the pool's rate; when no decode worker has room now, the requests
-        // ahead and this one each waiting for a stream to end (a p95 at the rate streams
-        // ended lately; too few ended to tell: not counted); the queue ahead served at the
-        // rate it was lately (`backlog`); and at least as long again as the oldest request
-        // ahead has waited.
-        let now = Instant::now();
         // A long prompt is prefilled a few at a time (`dispatch`); one that waits for its
         // turn holds back only other long ones, not this request if it is short.
         let own = policy::estimated_wait(0, work, rate);
         let tightest = self.classes.all().iter().map(|c| c.ttft_slo()).min().unwrap_or(class.ttft_slo());
         let long = policy::is_long(own, tightest);
         let ahead_of_me = inner.waiting.iter().filter(|w| w.priority >= class.spec.priority && (long || !w.long));
-        let (queued_ahead, oldest) = ahead_of_me.fold((0, Duration::ZERO), |(n, o), w| (n + 1, o.max(now - w.arrived)));
+        let (queued_ahead, oldest_ahead) =
+            ahead_of_me.fold((0, Duration::ZERO), |(n, o), w| (n + 1, o.max(now - w.arrived)));
         let itl = Duration::from_millis(class.spec.itl_slo_ms);
         let need = inner.fleet.decode.first().map_or(0, |d| d.blocks_for(tokens + max_tokens));
-        let decode_room = inner.fleet.best_decode(need, itl).is_some();
-        let decode_wait =
-            if decode_room { Duration::ZERO } else { policy::queue_wait(queued_ahead + 1, inner.released.per_s(now)) };
-        // Behind a queue, or at its head when it cannot be placed now, the time for the
-        // queue to be served at the rate it was served lately while it held requests (a p95,
-        // as above; `Service`): whichever side holds it back, prefill or decode. Without it,
-        // requests admitted behind a queue held by the decode side's ITL headroom waited up
-        // to twice their TTFT SLO under overload, and ones admitted onto an empty queue while
-        // every prefill slot was taken waited up to 2.7 s for a slot and decode room at once.
         let top = class.spec.priority >= self.top_priority();
-        let prefill_room = self.pools.prefill.specs_empty() || inner.fleet.prefill.iter().any(|p| p.has_room(top));
-        let backlog = policy::backlog_wait(queued_ahead, decode_room && prefill_room, inner.service.per_s(now));
-        let prefill_wait = policy::estimated_wait(ahead, 0, rate);
-        let wait = prefill_wait.max(decode_wait).max(oldest).max(backlog);
+        let view = policy::QueueView {
+            tokens_ahead: policy::tokens_ahead(&inner.waiting, class.spec.priority, &in_flight, work),
+            tokens_per_s: rate,
+            queued_ahead,
+            oldest_ahead,
+            decode_room: inner.fleet.best_decode(need, itl).is_some(),
+            prefill_room: self.pools.prefill.specs_empty() || inner.fleet.prefill.iter().any(|p| p.has_room(top)),
+            released_per_s: inner.released.per_s(now),
+            served_per_s: inner.service.per_s(now),
+        };
+        let estimate = policy::estimate_wait(&view);
+        let wait = estimate.total();
         tracing::debug!(
             class = %class.name,
             tokens,
             queued_ahead,
-            prefill_wait_ms = prefill_wait.as_millis() as u64,
-            decode_wait_ms = decode_wait.as_millis() as u64,
-            backlog_ms = backlog.as_millis() as u64,
-            oldest_ms = oldest.as_millis() as u64,
+            prefill_wait_ms = estimate.prefill.as_millis() as u64,
+            decode_wait_ms = estimate.decode.as_millis() as u64,
+            backlog_ms = estimate.backlog.as_millis() as u64,
+            oldest_ms = estimate.oldest.as_millis() as u64,
             "admission estimate"
         );
         let oldest_of_class = inner
@@ -296,7 +289,8 @@ impl Scheduler {
             .map_err(|r| RouterError::Overloaded { message: r.message, retry_after_s: r.retry_after_s })?;
         // A long prompt may wait its turn (about its own prefill) on top of the queue age.
         let patience = if long { own * 2 } else { Duration::ZERO };
-        Ok(self.enqueue(&mut inner, class, prompt, max_tokens, now + class.ttft_slo(), long, patience))
+        let queued = Queued { arrived: now, deadline: now + class.ttft_slo(), long, patience };
+        Ok(self.enqueue(&mut inner, class, prompt, max_tokens, queued))
     }
 
     /// Queues a request whose decode worker was lost mid-stream (`prompt`: its prompt and the
@@ -313,24 +307,23 @@ impl Scheduler {
         if inner.fleet.healthy_decode().next().is_none() {
             return Err(RouterError::NoWorker("decode"));
         }
-        Ok(self.enqueue(&mut inner, class, prompt, max_tokens, Instant::now(), false, Duration::ZERO))
+        let now = Instant::now();
+        let queued = Queued { arrived: now, deadline: now, long: false, patience: Duration::ZERO };
+        Ok(self.enqueue(&mut inner, class, prompt, max_tokens, queued))
     }
 
-    /// Puts an admitted request in the queue with TTFT deadline `deadline` (its place among
-    /// its priority) and dispatches what fits. `long`: a long prompt (`policy::is_long`),
-    /// which may wait `patience` longer than the class's queue age before it stalls.
-    #[allow(clippy::too_many_arguments)]
+    /// Puts an admitted request in the queue (its place among its priority: the TTFT deadline
+    /// of `queued`) and dispatches what fits.
     fn enqueue(
         self: &Arc<Self>,
         inner: &mut Inner,
         class: &Arc<Class>,
         prompt: Arc<Prompt>,
         max_tokens: usize,
-        deadline: Instant,
-        long: bool,
-        patience: Duration,
+        queued: Queued,
     ) -> Pending {
-        let (now, tokens) = (Instant::now(), prompt.len());
+        let Queued { arrived: now, deadline, long, patience } = queued;
+        let tokens = prompt.len();
         // What must be computed: the prompt less what the best-placed worker caches.
         let work = tokens - inner.fleet.expected_cached(&prompt, now).min(tokens);
         let (tx, rx) = oneshot::channel();
@@ -350,7 +343,7 @@ impl Scheduler {
             reply: Reply { tx, prompt },
         });
         inner.queued_tokens[class.index] += tokens as u64;
-        self.dispatch(inner);
+        self.dispatch(inner, now);
         Pending {
             scheduler: self.clone(),
             seq,
@@ -371,35 +364,34 @@ impl Scheduler {
     /// Grants waiting requests, best first, while the head fits somewhere. Long prompts go
     /// while fewer than the cap of them prefill (`long_prefills_per_worker` per prefill
     /// worker); at the cap, shorter requests pass them.
-    fn dispatch(self: &Arc<Self>, inner: &mut Inner) {
+    fn dispatch(self: &Arc<Self>, inner: &mut Inner, now: Instant) {
         let top = self.top_priority();
         let cap = self.config.long_prefills_per_worker.max(1) * inner.fleet.prefill.len().max(1);
         while let Some(i) = policy::next(&inner.waiting, inner.long_prefills < cap) {
-            let Some(mut grant) = self.place(inner, i, top) else { break };
+            let Some(mut grant) = self.place(inner, i, top, now) else { break };
             let w = inner.waiting.swap_remove(i);
             if w.long && grant.prefill.is_some() {
                 inner.long_prefills += 1;
                 grant.ticket.long = true;
             }
             inner.queued_tokens[w.class] -= w.tokens as u64;
-            let now = Instant::now();
             // A grant at its own arrival says nothing about how fast a queue is served.
             if w.priority >= top && now - w.arrived >= Duration::from_millis(1) {
                 inner.service.grants.record(now);
             }
             if let Err(mut grant) = w.reply.tx.send(grant) {
-                grant.ticket.release(inner, false); // its client left while it waited
+                grant.ticket.release(inner, false, now); // its client left while it waited
             }
         }
-        self.count_queued(inner);
+        self.count_queued(inner, now);
     }
 
     /// After any change to the queue: notes whether top-priority requests wait (`Service`)
     /// and sets the queue-length gauges.
-    fn count_queued(&self, inner: &mut Inner) {
+    fn count_queued(&self, inner: &mut Inner, now: Instant) {
         let top = self.top_priority();
         let waiting = inner.waiting.iter().any(|w| w.priority >= top);
-        inner.service.note(waiting, Instant::now());
+        inner.service.note(waiting, now);
         for class in self.classes.all() {
             let n = inner.waiting.iter().filter(|w| w.class == class.index).count();
             self.metrics.queued.with_label_values(&[class.name.as_str()]).set(n as f64);
@@ -407,10 +399,10 @@ impl Scheduler {
     }
 
     /// Places waiting request `i` if a decode worker has room and its prompt has a place.
-    fn place(self: &Arc<Self>, inner: &mut Inner, i: usize, top: i32) -> Option<Grant> {
+    fn place(self: &Arc<Self>, inner: &mut Inner, i: usize, top: i32, now: Instant) -> Option<Grant> {
         let w = &inner.waiting[i];
         let cfg = &self.config;
-        let (prompt, now) = (w.reply.prompt.clone(), Instant::now());
+        let prompt = w.reply.prompt.clone();
         let probe = inner.fleet.best_decode(0, w.itl_slo)?;
         // The decode worker reserves the prompt and the whole output.
         let blocks = probe.blocks_for(w.tokens + w.max_tokens);
@@ -426,7 +418,7 @@ impl Scheduler {
             Some((p.addr.clone(), wait, cached))
         };
         let (decode_addr, seq, tokens, waited, itl) =
-            (decode.addr.clone(), w.seq, w.tokens, w.arrived.elapsed(), w.itl_slo);
+            (decode.addr.clone(), w.seq, w.tokens, now.saturating_duration_since(w.arrived), w.itl_slo);
         if let Some(d) = inner.fleet.decode_mut(&decode_addr) {
             tracing::debug!(
                 waited_ms = waited.as_millis() as u64,
@@ -514,6 +506,7 @@ impl Scheduler {
         prefill: Vec<(String, pd_proto::v1::PrefillLoad)>,
     ) {
         let mut inner = self.lock();
+        let now = Instant::now();
         inner.fleet.apply(decode, prefill);
         if inner.fleet.decode.is_empty() {
             for w in inner.waiting.drain(..) {
@@ -521,7 +514,7 @@ impl Scheduler {
             }
             inner.queued_tokens.iter_mut().for_each(|t| *t = 0);
         }
-        self.dispatch(&mut inner);
+        self.dispatch(&mut inner, now);
     }
 
     /// Removes a waiting request (its client left, or it expired); true if it was waiting.
@@ -531,12 +524,23 @@ impl Scheduler {
             Some(i) => {
                 let w = inner.waiting.swap_remove(i);
                 inner.queued_tokens[w.class] -= w.tokens as u64;
-                self.count_queued(&mut inner);
+                self.count_queued(&mut inner, Instant::now());
                 true
             }
             None => false,
         }
     }
+}
+
+/// Where an admitted request queues: when it arrived, its TTFT deadline (its place among its
+/// priority), and for a long prompt (`policy::is_long`), `patience` it may wait beyond the
+/// class's queue age before it stalls.
+#[derive(Debug, Clone, Copy)]
+struct Queued {
+    arrived: Instant,
+    deadline: Instant,
+    long: bool,
+    patience: Duration,
 }
 
 /// An admitted request that waits this many times its class's queue age fails with 503.
@@ -628,7 +632,7 @@ impl Ticket {
         if let Some(s) = self.scheduler.clone() {
             let mut inner = s.lock();
             self.prefill_locked(&mut inner);
-            s.dispatch(&mut inner);
+            s.dispatch(&mut inner, Instant::now());
         }
     }
 
@@ -644,9 +648,9 @@ impl Ticket {
     }
 
     /// Gives everything back (caller holds the lock); `ended` counts a stream that ran.
-    fn release(&mut self, inner: &mut Inner, ended: bool) {
+    fn release(&mut self, inner: &mut Inner, ended: bool, now: Instant) {
         if ended {
-            inner.released.record(Instant::now());
+            inner.released.record(now);
         }
         self.prefill_locked(inner);
         let fleet = &mut inner.fleet;
@@ -666,8 +670,9 @@ impl Drop for Ticket {
     fn drop(&mut self) {
         if let Some(s) = self.scheduler.clone() {
             let mut inner = s.lock();
-            self.release(&mut inner, true);
-            s.dispatch(&mut inner);
+            let now = Instant::now();
+            self.release(&mut inner, true, now);
+            s.dispatch(&mut inner, now);
         }
     }
 }

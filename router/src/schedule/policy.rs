@@ -93,6 +93,66 @@ pub fn backlog_wait(queued_ahead: usize, placeable: bool, per_s: Option<f64>) ->
     }
 }
 
+/// What admission reads of the queue and the fleet when a request arrives, gathered by the
+/// scheduler at one instant.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QueueView {
+    /// Prompt tokens the prefill pool computes before this request (`tokens_ahead`).
+    pub tokens_ahead: u64,
+    /// The prefill pool's rate, tokens per second.
+    pub tokens_per_s: f64,
+    /// Requests queued ahead of this one (at its priority or higher; for a short prompt, not
+    /// the long ones waiting for their turn), and how long the oldest of them has waited.
+    pub queued_ahead: usize,
+    pub oldest_ahead: Duration,
+    /// A decode worker has room for the request now.
+    pub decode_room: bool,
+    /// A prefill worker has a free slot for its priority now (or there is no prefill pool).
+    pub prefill_room: bool,
+    /// Streams ended per second lately (None: too few to tell).
+    pub released_per_s: Option<f64>,
+    /// Grants per second of the top-priority queue while it held requests (None: too few).
+    pub served_per_s: Option<f64>,
+}
+
+/// The wait the queue causes a new request, by cause; its own prefill is not overload and is
+/// not part of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WaitEstimate {
+    /// The prefill work ahead at the pool's rate.
+    pub prefill: Duration,
+    /// No decode worker has room now: the requests ahead and this one each wait for a stream
+    /// to end (a p95 at the rate streams ended lately; too few ended to tell: not counted).
+    pub decode: Duration,
+    /// Behind a queue, or at its head when it cannot be placed now: the time for the queue to
+    /// be served at the rate it was served lately while it held requests, whichever side holds
+    /// it back. Without it, requests admitted behind a queue held by the decode side's ITL
+    /// headroom waited up to twice their TTFT SLO under overload, and ones admitted onto an
+    /// empty queue while every prefill slot was taken waited up to 2.7 s for a slot and decode
+    /// room at once.
+    pub backlog: Duration,
+    /// At least as long again as the oldest request ahead has waited.
+    pub oldest: Duration,
+}
+
+impl WaitEstimate {
+    /// The estimate admission compares with the SLO: the longest of the causes.
+    pub fn total(&self) -> Duration {
+        self.prefill.max(self.decode).max(self.backlog).max(self.oldest)
+    }
+}
+
+/// The admission estimate of a new request's wait from what the queue and fleet look like.
+pub fn estimate_wait(v: &QueueView) -> WaitEstimate {
+    let decode = if v.decode_room { Duration::ZERO } else { queue_wait(v.queued_ahead + 1, v.released_per_s) };
+    WaitEstimate {
+        prefill: estimated_wait(v.tokens_ahead, 0, v.tokens_per_s),
+        decode,
+        backlog: backlog_wait(v.queued_ahead, v.decode_room && v.prefill_room, v.served_per_s),
+        oldest: v.oldest_ahead,
+    }
+}
+
 /// Retry-After in whole seconds: the time for the queue to drain by `excess`, at least 1.
 pub fn retry_after(excess: Duration) -> u64 {
     excess.as_secs_f64().ceil().max(1.0) as u64

@@ -147,3 +147,46 @@ fn a_queue_whose_oldest_request_is_past_the_queue_age_refuses_at_once() {
     assert!(r.message.contains("max_queue_age_ms") && r.message.contains("4200"), "{}", r.message);
     assert_eq!(r.retry_after_s, 2); // 1.2 s over the age, rounded up
 }
+
+fn view() -> QueueView {
+    QueueView {
+        tokens_ahead: 0,
+        tokens_per_s: 1000.0,
+        queued_ahead: 0,
+        oldest_ahead: Duration::ZERO,
+        decode_room: true,
+        prefill_room: true,
+        released_per_s: Some(10.0),
+        served_per_s: Some(20.0),
+    }
+}
+
+#[test]
+fn an_idle_fleet_with_room_estimates_no_wait() {
+    let e = estimate_wait(&view());
+    assert_eq!(e.total(), Duration::ZERO, "{e:?}");
+}
+
+#[test]
+fn the_admission_estimate_is_the_longest_of_its_causes() {
+    // Prefill work ahead: 1,500 tokens at 1,000 tokens/s.
+    let e = estimate_wait(&QueueView { tokens_ahead: 1500, ..view() });
+    assert_eq!((e.prefill, e.total()), (Duration::from_millis(1500), Duration::from_millis(1500)));
+    // No decode room: the 3 ahead and this one each wait for a stream to end, a p95 at 10/s
+    // (4 + 2 * 2 gaps of 100 ms); the queue ahead is served at 20/s (4 + 4 gaps of 50 ms).
+    let held = QueueView { queued_ahead: 3, decode_room: false, ..view() };
+    let e = estimate_wait(&held);
+    assert_eq!(e.decode, Duration::from_millis(800));
+    assert_eq!(e.backlog, Duration::from_millis(400));
+    assert_eq!(e.total(), Duration::from_millis(800));
+    // Too few streams ended to tell a rate: the decode side adds nothing, the backlog remains.
+    let e = estimate_wait(&QueueView { released_per_s: None, ..held });
+    assert_eq!((e.decode, e.total()), (Duration::ZERO, Duration::from_millis(400)));
+    // Nothing queued but no prefill slot free: this request waits at the head for the queue's
+    // service (1 + 2 gaps of 50 ms).
+    let e = estimate_wait(&QueueView { prefill_room: false, ..view() });
+    assert_eq!(e.backlog, Duration::from_millis(150));
+    // And at least as long again as the oldest request ahead has waited.
+    let e = estimate_wait(&QueueView { queued_ahead: 1, oldest_ahead: Duration::from_secs(2), ..view() });
+    assert_eq!(e.total(), Duration::from_secs(2));
+}
