@@ -1,7 +1,9 @@
 //! The router's view of every worker: what each reported at the last periodic refresh (one
 //! concurrent round of `Load` calls per interval, not per request), corrected by what this
 //! router dispatched since (KV blocks granted but not yet reserved, prompts in flight), so a
-//! choice among hundreds of workers is a scan of memory.
+//! choice among hundreds of workers is a scan of memory. This router's own accounting on a
+//! worker changes only through its booking methods (`book`, `opened`, `unbook`), called by
+//! `state` with each request's booking; a worker is found by address through an index.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -20,16 +22,16 @@ pub struct DecodeState {
     pub addr: String,
     pub load: pb::DecodeLoad,
     /// Blocks of grants whose reservation the worker has not confirmed yet.
-    pub pending_blocks: u32,
+    pending_blocks: u32,
     /// Requests this router has on the worker (granted and not finished).
-    pub ours: u32,
+    ours: u32,
     /// `ours` when `load` was taken: fewer now means streams ended since.
-    pub ours_at_load: u32,
+    ours_at_load: u32,
     /// The ITL SLO of each of them (the tightest one bounds the step time).
-    pub itl_slos: Vec<Duration>,
+    itl_slos: Vec<Duration>,
     /// Blocks of those requests (prompt and output each, shared prefixes counted per
     /// request: every stream reads its whole context each step).
-    pub active_blocks: u32,
+    active_blocks: u32,
     pub prefixes: PrefixIndex,
 }
 
@@ -47,6 +49,37 @@ impl DecodeState {
             active_blocks: 0,
             prefixes,
         }
+    }
+
+    /// A request of `blocks` (ITL SLO `itl`) granted here: its blocks count as taken until
+    /// the worker confirms its reservation (`opened`).
+    pub fn book(&mut self, blocks: u32, itl: Duration) {
+        self.pending_blocks += blocks;
+        self.ours += 1;
+        self.itl_slos.push(itl);
+        self.active_blocks += blocks;
+    }
+
+    /// The worker reserved a booked request's blocks: its own free-block count includes them.
+    pub fn opened(&mut self, blocks: u32) {
+        self.pending_blocks = self.pending_blocks.saturating_sub(blocks);
+    }
+
+    /// A booked request ended (`opened`: its reservation had been confirmed).
+    pub fn unbook(&mut self, blocks: u32, itl: Duration, opened: bool) {
+        if !opened {
+            self.opened(blocks);
+        }
+        self.ours = self.ours.saturating_sub(1);
+        self.active_blocks = self.active_blocks.saturating_sub(blocks);
+        if let Some(i) = self.itl_slos.iter().position(|x| *x == itl) {
+            self.itl_slos.swap_remove(i);
+        }
+    }
+
+    /// Requests this router has on the worker.
+    pub fn ours(&self) -> u32 {
+        self.ours
     }
 
     /// Load in blocks: this router's active requests', or what the worker uses if more.
@@ -108,8 +141,8 @@ impl DecodeState {
 pub struct PrefillState {
     pub addr: String,
     pub load: pb::PrefillLoad,
-    /// This router's prompts on the worker: (ticket id, tokens).
-    pub in_flight: Vec<(u64, usize)>,
+    /// This router's prompts on the worker: (request sequence number, tokens to compute).
+    in_flight: Vec<(u64, usize)>,
     pub prefixes: PrefixIndex,
 }
 
@@ -118,6 +151,16 @@ impl PrefillState {
         let mut prefixes = PrefixIndex::default();
         prefixes.apply(load.cache.take(), 0);
         PrefillState { addr, load, in_flight: Vec::new(), prefixes }
+    }
+
+    /// Request `seq`'s prompt, `tokens` of it to compute, sent here.
+    pub fn book(&mut self, seq: u64, tokens: usize) {
+        self.in_flight.push((seq, tokens));
+    }
+
+    /// Request `seq`'s prompt is prefilled (or failed).
+    pub fn unbook(&mut self, seq: u64) {
+        self.in_flight.retain(|(s, _)| *s != seq);
     }
 
     /// Prompts the worker runs together in one step.
@@ -169,6 +212,9 @@ impl PrefillState {
 pub struct Fleet {
     pub decode: Vec<DecodeState>,
     pub prefill: Vec<PrefillState>,
+    /// Position of each worker in `decode` / `prefill` by address.
+    decode_index: HashMap<String, usize>,
+    prefill_index: HashMap<String, usize>,
     /// True after the first refresh.
     pub refreshed: bool,
     /// Decode workers that lost a stream, passed over until the time given (this router only).
@@ -201,38 +247,42 @@ impl Fleet {
                 None => PrefillState::new(addr, load),
             })
             .collect();
+        self.decode_index = self.decode.iter().enumerate().map(|(i, d)| (d.addr.clone(), i)).collect();
+        self.prefill_index = self.prefill.iter().enumerate().map(|(i, p)| (p.addr.clone(), i)).collect();
         self.refreshed = true;
     }
 
     pub fn decode_mut(&mut self, addr: &str) -> Option<&mut DecodeState> {
-        self.decode.iter_mut().find(|d| d.addr == addr)
+        let i = *self.decode_index.get(addr)?;
+        self.decode.get_mut(i)
     }
 
     pub fn prefill_mut(&mut self, addr: &str) -> Option<&mut PrefillState> {
-        self.prefill.iter_mut().find(|p| p.addr == addr)
+        let i = *self.prefill_index.get(addr)?;
+        self.prefill.get_mut(i)
     }
 
-    /// True while `addr` is in quarantine.
-    pub fn quarantined(&self, addr: &str) -> bool {
-        self.quarantine.get(addr).is_some_and(|until| *until > Instant::now())
+    /// True while `addr` is in quarantine at `now`.
+    pub fn quarantined(&self, addr: &str, now: Instant) -> bool {
+        !self.quarantine.is_empty() && self.quarantine.get(addr).is_some_and(|until| *until > now)
     }
 
     /// Decode workers not in quarantine, or all of them when every one is: quarantine steers
     /// new work away from a worker that lost a stream while another can take it; it does not
     /// leave a pool of one without a worker.
-    pub fn usable_decode(&self) -> impl Iterator<Item = &DecodeState> {
-        let any_healthy = self.healthy_decode().next().is_some();
-        self.decode.iter().filter(move |d| !any_healthy || !self.quarantined(&d.addr))
+    pub fn usable_decode(&self, now: Instant) -> impl Iterator<Item = &DecodeState> {
+        let any_healthy = self.healthy_decode(now).next().is_some();
+        self.decode.iter().filter(move |d| !any_healthy || !self.quarantined(&d.addr, now))
     }
 
     /// Decode workers not in quarantine.
-    pub fn healthy_decode(&self) -> impl Iterator<Item = &DecodeState> {
-        self.decode.iter().filter(|d| !self.quarantined(&d.addr))
+    pub fn healthy_decode(&self, now: Instant) -> impl Iterator<Item = &DecodeState> {
+        self.decode.iter().filter(move |d| !self.quarantined(&d.addr, now))
     }
 
     /// The decode worker with room for `blocks` (ITL SLO `itl`) and the most free blocks.
-    pub fn best_decode(&self, blocks: u32, itl: Duration) -> Option<&DecodeState> {
-        self.usable_decode()
+    pub fn best_decode(&self, blocks: u32, itl: Duration, now: Instant) -> Option<&DecodeState> {
+        self.usable_decode(now)
             .filter(|d| d.has_room(blocks, itl))
             .max_by_key(|d| (d.free_blocks(), std::cmp::Reverse(d.busy())))
     }
@@ -249,7 +299,7 @@ impl Fleet {
         weight: f64,
         now: Instant,
     ) -> Option<(&DecodeState, usize)> {
-        let scored = self.usable_decode().filter(|d| d.has_room(blocks, itl)).map(|d| {
+        let scored = self.usable_decode(now).filter(|d| d.has_room(blocks, itl)).map(|d| {
             let cached = d.prefixes.cached_tokens(prompt, now);
             let missing = d.blocks_for(prompt.len()).saturating_sub(d.blocks_for(cached)) as f64;
             let cost = weight * missing + f64::from(d.load_blocks());
@@ -337,43 +387,45 @@ mod tests {
 
     #[test]
     fn grants_count_until_the_worker_reports_them_and_refresh_keeps_our_accounting() {
+        let now = Instant::now();
         let mut fleet = Fleet::default();
         fleet.apply(vec![("a".into(), decode(10, 0, 4)), ("b".into(), decode(8, 0, 4))], vec![]);
         let itl = Duration::from_millis(100);
-        assert_eq!(fleet.best_decode(5, itl).map(|d| d.addr.as_str()), Some("a"));
+        assert_eq!(fleet.best_decode(5, itl, now).map(|d| d.addr.as_str()), Some("a"));
         fleet.decode_mut("a").expect("a").pending_blocks = 6;
-        assert_eq!(fleet.best_decode(5, itl).map(|d| d.addr.as_str()), Some("b"));
+        assert_eq!(fleet.best_decode(5, itl, now).map(|d| d.addr.as_str()), Some("b"));
         fleet.apply(vec![("a".into(), decode(10, 0, 4))], vec![]);
         assert_eq!(fleet.decode_mut("a").expect("a").pending_blocks, 6, "kept across refresh");
-        assert!(fleet.best_decode(5, itl).is_none(), "b left the fleet; a has 4 free");
+        assert!(fleet.best_decode(5, itl, now).is_none(), "b left the fleet; a has 4 free");
         fleet.apply(vec![("a".into(), decode(10, 4, 4))], vec![]);
         fleet.decode_mut("a").expect("a").pending_blocks = 0;
-        assert!(fleet.best_decode(1, itl).is_none(), "a's batch is full");
+        assert!(fleet.best_decode(1, itl, now).is_none(), "a's batch is full");
     }
 
     #[test]
     fn a_decode_worker_near_the_tightest_itl_slo_of_its_streams_takes_no_more() {
+        let now = Instant::now();
         let mut fleet = Fleet::default();
         fleet.apply(vec![("a".into(), pb::DecodeLoad { step_ms: 85.0, ..decode(100, 3, 64) })], vec![]);
         let (interactive, batch) = (Duration::from_millis(100), Duration::from_millis(1000));
-        assert!(fleet.best_decode(1, interactive).is_none(), "85 ms steps > 75% of 100 ms");
-        assert!(fleet.best_decode(1, batch).is_some(), "a batch stream fits a batch-only worker");
+        assert!(fleet.best_decode(1, interactive, now).is_none(), "85 ms steps > 75% of 100 ms");
+        assert!(fleet.best_decode(1, batch, now).is_some(), "a batch stream fits a batch-only worker");
         fleet.decode_mut("a").expect("a").itl_slos.push(interactive);
-        assert!(fleet.best_decode(1, batch).is_none(), "but not beside an interactive stream");
+        assert!(fleet.best_decode(1, batch, now).is_none(), "but not beside an interactive stream");
         // 60 ms steps with 3 rows; 3 more granted since the refresh: about 90 ms predicted.
         fleet.apply(vec![("a".into(), pb::DecodeLoad { step_ms: 60.0, ..decode(100, 3, 64) })], vec![]);
         fleet.decode_mut("a").expect("a").itl_slos.clear();
-        assert!(fleet.best_decode(1, interactive).is_some());
+        assert!(fleet.best_decode(1, interactive, now).is_some());
         fleet.decode_mut("a").expect("a").ours = 6;
         assert_eq!(fleet.decode_mut("a").expect("a").predicted_step_ms(), 90.0);
-        assert!(fleet.best_decode(1, interactive).is_none());
+        assert!(fleet.best_decode(1, interactive, now).is_none());
         // 85 ms steps with this router's 3 streams; as they end the prediction falls with them.
         fleet.decode_mut("a").expect("a").ours = 3;
         fleet.apply(vec![("a".into(), pb::DecodeLoad { step_ms: 85.0, ..decode(100, 3, 64) })], vec![]);
-        assert!(fleet.best_decode(1, interactive).is_none());
+        assert!(fleet.best_decode(1, interactive, now).is_none());
         fleet.decode_mut("a").expect("a").ours = 1;
         assert!((fleet.decode_mut("a").expect("a").predicted_step_ms() - 85.0 * (1.0 - 2.0 / 6.0)).abs() < 1e-9);
-        assert!(fleet.best_decode(1, interactive).is_some(), "two of three streams ended since the refresh");
+        assert!(fleet.best_decode(1, interactive, now).is_some(), "two of three streams ended since the refresh");
         fleet.decode_mut("a").expect("a").ours = 0;
         assert_eq!(fleet.decode_mut("a").expect("a").predicted_step_ms(), 0.0, "none left: idle");
     }
@@ -383,7 +435,7 @@ mod tests {
         let load = pb::PrefillLoad { max_partial_prefills: 2, prefill_tokens_per_s: 500.0, ..Default::default() };
         let mut fleet = Fleet::default();
         fleet.apply(vec![], vec![("p".into(), load)]);
-        fleet.prefill_mut("p").expect("p").in_flight.push((1, 2048));
+        fleet.prefill_mut("p").expect("p").book(1, 2048);
         assert!(fleet.best_prefill(false, 250.0, 256).is_none(), "batch may not take the last slot");
         fleet.prefill_mut("p").expect("p").load.waiting_prefill_tokens = 2048;
         let (p, wait) = fleet.best_prefill(true, 250.0, 256).expect("interactive");
@@ -452,17 +504,18 @@ mod tests {
 
     #[test]
     fn a_quarantined_decode_worker_gets_work_only_when_it_is_the_only_one() {
+        let now = Instant::now();
         let mut fleet = Fleet::default();
         fleet.apply(vec![("a".into(), decode(100, 0, 4)), ("b".into(), decode(50, 0, 4))], vec![]);
         let itl = Duration::from_millis(100);
-        assert_eq!(fleet.best_decode(1, itl).map(|d| d.addr.as_str()), Some("a"));
-        fleet.quarantine.insert("a".into(), Instant::now() + Duration::from_secs(10));
-        assert_eq!(fleet.best_decode(1, itl).map(|d| d.addr.as_str()), Some("b"));
-        assert_eq!(fleet.healthy_decode().count(), 1);
+        assert_eq!(fleet.best_decode(1, itl, now).map(|d| d.addr.as_str()), Some("a"));
+        fleet.quarantine.insert("a".into(), now + Duration::from_secs(10));
+        assert_eq!(fleet.best_decode(1, itl, now).map(|d| d.addr.as_str()), Some("b"));
+        assert_eq!(fleet.healthy_decode(now).count(), 1);
         fleet.apply(vec![("a".into(), decode(100, 0, 4))], vec![]);
-        assert_eq!(fleet.best_decode(1, itl).map(|d| d.addr.as_str()), Some("a"), "alone, it still serves");
-        assert_eq!(fleet.healthy_decode().count(), 0, "but a migration will not go back to it");
-        fleet.quarantine.insert("a".into(), Instant::now());
-        assert_eq!(fleet.healthy_decode().count(), 1, "the quarantine ended");
+        assert_eq!(fleet.best_decode(1, itl, now).map(|d| d.addr.as_str()), Some("a"), "alone, it still serves");
+        assert_eq!(fleet.healthy_decode(now).count(), 0, "but a migration will not go back to it");
+        fleet.quarantine.insert("a".into(), now);
+        assert_eq!(fleet.healthy_decode(now).count(), 1, "the quarantine ended");
     }
 }
