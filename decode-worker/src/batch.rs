@@ -23,6 +23,8 @@ use pd_telemetry::opentelemetry::KeyValue;
 use pd_telemetry::{StageLabels, StageSpan};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::plan::Row;
+
 /// What the batch reports about one sequence, on its stream.
 pub type Event = Result<pb::DecodeEvent, tonic::Status>;
 
@@ -406,29 +408,17 @@ impl BatchState {
     }
 
     /// Tokens each sequence runs in the next step: 1 for a decoding one, the prompt chunk the
-    /// policy admits (maybe 0) for one being prefilled here.
+    /// policy admits (maybe 0) for one being prefilled here (`plan::plan`).
     pub fn plan(&self) -> Vec<usize> {
-        let decoding = self.running.iter().filter(|s| matches!(s.phase, Phase::Decode { .. })).count();
-        let mut budget = match self.policy {
-            // At least a quarter chunk of progress per step, even under a full decode batch.
-            PrefillPolicy::Chunked { step_tokens } => step_tokens.saturating_sub(decoding).max(step_tokens / 4).max(1),
-            PrefillPolicy::Naive => usize::MAX,
-        };
-        let mut prompts_this_step = 0;
-        let mut take_prompt = |left: usize| {
-            if budget == 0 || (self.policy == PrefillPolicy::Naive && prompts_this_step > 0) {
-                return 0;
-            }
-            let take = left.min(budget);
-            budget -= take;
-            prompts_this_step += 1;
-            take
-        };
-        let takes = self.running.iter().map(|s| match &s.phase {
-            Phase::Decode { .. } => 1,
-            Phase::Prompt { done } => take_prompt(s.prompt.len() - done),
-        });
-        takes.collect()
+        let rows: Vec<Row> = self
+            .running
+            .iter()
+            .map(|s| match &s.phase {
+                Phase::Decode { .. } => Row::Decode,
+                Phase::Prompt { done } => Row::Prompt { left: s.prompt.len() - done },
+            })
+            .collect();
+        crate::plan::plan(self.policy, &rows)
     }
 
     /// The token rows of each sequence for `takes` (empty for a sequence that waits).

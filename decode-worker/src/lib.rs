@@ -6,9 +6,10 @@
 //! chunked or naive prefill (`batch::PrefillPolicy`).
 //!
 //! Layout: `service` (the request's stages: check, reserve, await commit, admit), `batch`
-//! (the running batch as synchronous state, unit-tested without a model), `batcher` (the
-//! thread that steps the engine over it), `score` (echo prompts scored in the batch, for
-//! colocated serving), `error` (the one mapping to gRPC statuses).
+//! (the running batch as synchronous state, unit-tested without a model), `plan` (the pure
+//! step planner, which pd-sim also runs), `batcher` (the thread that steps the engine over
+//! it), `score` (echo prompts scored in the batch, for colocated serving), `error` (the one
+//! mapping to gRPC statuses).
 //!
 //! `/metrics`, `/health` and `/ready` are served on a second, HTTP port. On shutdown
 //! (SIGTERM): readiness fails and new requests are refused; running sequences (and those
@@ -21,6 +22,7 @@ pub mod batch;
 pub mod batcher;
 pub mod config;
 pub mod error;
+pub mod plan;
 pub mod score;
 pub mod service;
 

@@ -71,6 +71,13 @@ impl StepConfig {
         len <= self.long_threshold
     }
 
+    /// Whether a step of `chunks` ((prompt length, tokens in this step, tokens before it)
+    /// each) may be stopped between layers when a short prompt arrives (`preempt`): only long
+    /// prompts' chunks, none finishing its prompt (no layer of it is being shipped).
+    pub fn preemptible(&self, chunks: impl IntoIterator<Item = (usize, usize, usize)>) -> bool {
+        self.preempt && chunks.into_iter().all(|(len, take, done)| !self.is_short(len) && done + take < len)
+    }
+
     /// The policy for the next step, given how long ago the last short prompt arrived.
     pub fn for_step(&self, since_short: Option<Duration>) -> StepConfig {
         match since_short {
@@ -79,6 +86,17 @@ impl StepConfig {
         }
     }
 }
+
+/// A preemptible step stops after layer `layer` (0-based) of `layers` only while at least a
+/// quarter of the layers are left: past that, finishing costs the short prompt less than
+/// running the chunks again costs the others.
+pub fn stops_after_layer(layer: usize, layers: usize) -> bool {
+    4 * layers.saturating_sub(layer) >= layers
+}
+
+/// The same rule in time, for a step that has no layers to count (pd-sim's cost model): a
+/// short prompt arriving within this share of the step stops it.
+pub const STOPPABLE_SHARE: f64 = 0.75;
 
 /// Step time as a function of its chunks: fixed + per token + per (token x context) pair,
 /// all times a scale learned from measured steps (so the same model serves another CPU).

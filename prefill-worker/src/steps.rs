@@ -315,10 +315,8 @@ impl Loop {
             .collect();
         let notify: Vec<mpsc::UnboundedSender<StepEvent>> =
             finishing.iter().map(|&i| self.active[i].events.clone()).collect();
-        // Stoppable: only long prompts' chunks, none finishing (no layer is being shipped).
-        let preemptible = self.config.preempt
-            && finishing.is_empty()
-            && planned.iter().all(|&(i, _)| !self.config.is_short(self.active[i].prompt.len()));
+        let chunks = planned.iter().map(|&(i, t)| (self.active[i].prompt.len(), t, self.active[i].done));
+        let preemptible = self.config.preemptible(chunks);
         let layers = self.engine.model().config().num_layers;
         let (counters, accepted) = (&self.counters, self.short_accepted);
         let mut kvs: Vec<(usize, usize, SequenceKv)> =
@@ -338,10 +336,8 @@ impl Loop {
                 for tx in &notify {
                     let _ = tx.send(StepEvent::Layer(layer, at));
                 }
-                // Stop while at least a quarter of the layers are left: past that, finishing
-                // costs the short prompt less than running the chunks again costs the others.
                 let waiting = counters.short_submitted.load(Ordering::Acquire) > accepted;
-                if preemptible && waiting && 4 * (layers - layer) >= layers {
+                if preemptible && waiting && crate::step::stops_after_layer(layer, layers) {
                     ControlFlow::Break(())
                 } else {
                     ControlFlow::Continue(())

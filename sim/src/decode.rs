@@ -4,7 +4,8 @@
 //! endpoint, waits for a prefill worker's header and commit (frames, if any, are counted and
 //! dropped), and then generates `max_tokens` tokens in a batch loop whose steps last what the
 //! cost model says for the running rows and their contexts. Prompts sent with `prefill_here`
-//! are computed in the batch in 256-token chunks, as the real worker's `chunked` policy does.
+//! are computed in the batch in the chunks the real worker's planner (`pd_decode::plan`, its
+//! default `chunked` policy) gives them.
 //! Its `Load` answers like the real one (free blocks, running, waiting transfers, step time).
 //!
 //! A worker can be lost (`lose`): its streams end unfinished and every call is UNAVAILABLE,
@@ -21,9 +22,11 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::cost::WorkerCost;
+use pd_decode::batch::PrefillPolicy;
+use pd_decode::plan::{plan, Row};
 
-/// Tokens of a prompt computed per decode step when it is prefilled here.
-const LOCAL_CHUNK: usize = 256;
+/// How prompts prefilled here share steps: the real decode worker's default policy.
+const POLICY: PrefillPolicy = PrefillPolicy::Chunked { step_tokens: 256 };
 /// Lease of a reservation when the request names none.
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// Text of every generated token after the first (the simulation has no tokenizer).
@@ -243,51 +246,52 @@ impl SimDecode {
     async fn batch_loop(self) {
         let max_batch = self.cost.worker.max_batch as usize;
         loop {
-            let plan = {
+            let step = {
                 let s = self.lock();
                 if s.running.is_empty() {
                     None
                 } else {
-                    let mut rows = 0;
-                    let mut context = 0;
-                    let mut chunks = Vec::new();
-                    let mut budget = LOCAL_CHUNK;
-                    for q in s.running.iter().take(max_batch) {
+                    let batch: Vec<&Seq> = s.running.iter().take(max_batch).collect();
+                    let rows: Vec<Row> = batch
+                        .iter()
+                        .map(|q| if q.prompt_left > 0 { Row::Prompt { left: q.prompt_left } } else { Row::Decode })
+                        .collect();
+                    let takes = plan(POLICY, &rows);
+                    let (mut decoding, mut context, mut chunks) = (0, 0, Vec::new());
+                    for (q, &take) in batch.iter().zip(&takes) {
                         if q.prompt_left > 0 {
-                            let t = q.prompt_left.min(budget);
-                            if t > 0 {
-                                chunks.push((t, q.prompt - q.prompt_left));
-                                budget -= t;
+                            if take > 0 {
+                                chunks.push((take, q.prompt - q.prompt_left));
                             }
                         } else {
-                            rows += 1;
+                            decoding += 1;
                             context += q.prompt + q.generated as usize;
                         }
                     }
-                    Some(self.cost.decode_step_ms(rows, context, &chunks))
+                    Some((self.cost.decode_step_ms(decoding, context, &chunks), takes))
                 }
             };
-            let Some(ms) = plan else {
+            let Some((ms, takes)) = step else {
                 self.lock().step_ms = 0.0;
                 self.wake.notified().await;
                 continue;
             };
             tokio::time::sleep(Duration::from_secs_f64(ms / 1e3)).await;
-            self.apply_step(ms, max_batch);
+            self.apply_step(ms, &takes);
         }
     }
 
-    /// After a step of `ms`: prompt chunks advance, every generating row gets a token,
-    /// finished and abandoned sequences free their blocks.
-    fn apply_step(&self, ms: f64, max_batch: usize) {
+    /// After a step of `ms` that ran `takes` tokens of the first sequences (sequences that
+    /// joined during the step come after them): prompt chunks advance, every generating row
+    /// gets a token, finished and abandoned sequences free their blocks.
+    fn apply_step(&self, ms: f64, takes: &[usize]) {
         let mut s = self.lock();
         s.step_ms = if s.step_ms == 0.0 { ms } else { 0.8 * s.step_ms + 0.2 * ms };
-        let mut budget = LOCAL_CHUNK;
         let mut freed = 0;
         let mut keep = Vec::with_capacity(s.running.len());
         for (i, mut q) in std::mem::take(&mut s.running).into_iter().enumerate() {
-            if i < max_batch {
-                step_one(&mut q, &mut budget, ms);
+            if let Some(&take) = takes.get(i) {
+                step_one(&mut q, take, ms);
             }
             if q.events.is_closed() || q.generated >= q.max_tokens {
                 if q.generated >= q.max_tokens {
@@ -303,14 +307,13 @@ impl SimDecode {
     }
 }
 
-/// One sequence's part of a step: a prompt chunk, or one token.
-fn step_one(q: &mut Seq, budget: &mut usize, ms: f64) {
+/// One sequence's part of a step: a prompt chunk of `take` tokens, or one token.
+fn step_one(q: &mut Seq, take: usize, ms: f64) {
     if q.generated >= q.max_tokens {
         return;
     }
     if q.prompt_left > 0 {
-        let t = q.prompt_left.min(*budget);
-        *budget -= t;
+        let t = q.prompt_left.min(take);
         q.prompt_left -= t;
         q.prefill_ms += ms;
         if q.prompt_left > 0 || t == 0 {

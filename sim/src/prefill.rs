@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pd_prefill::step::{plan, Candidate, CostModel, StepConfig};
+use pd_prefill::step::{plan, Candidate, CostModel, StepConfig, STOPPABLE_SHARE};
 use pd_prefill::steps::short_prompt_rate;
 use pd_proto::v1 as pb;
 use tokio::sync::{mpsc, oneshot, Notify};
@@ -122,8 +122,7 @@ impl SimPrefill {
                 let picked = plan(&cands, &step, &planner);
                 let chunks: Vec<(usize, usize)> = picked.iter().map(|&(i, t)| (t, cands[i].done)).collect();
                 let chosen: Vec<(u64, usize)> = picked.iter().map(|&(i, t)| (s.jobs[i].id, t)).collect();
-                let preemptible = self.step.preempt
-                    && picked.iter().all(|&(i, t)| !self.step.is_short(cands[i].len) && t < cands[i].remaining);
+                let preemptible = self.step.preemptible(picked.iter().map(|&(i, t)| (cands[i].len, t, cands[i].done)));
                 (chosen, chunks, preemptible)
             };
             if chosen.is_empty() {
@@ -134,7 +133,7 @@ impl SimPrefill {
             let took = Duration::from_secs_f64(self.cost.prefill_step_ms(&chunks) / 1e3);
             if preemptible {
                 let stopped = tokio::select! {
-                    _ = tokio::time::sleep(took.mul_f64(0.75)) => false,
+                    _ = tokio::time::sleep(took.mul_f64(STOPPABLE_SHARE)) => false,
                     _ = self.short_arrived.notified() => true,
                 };
                 if stopped {

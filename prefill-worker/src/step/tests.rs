@@ -135,3 +135,17 @@ fn the_step_flags_are_checked_and_reach_the_policy() {
     let bad = crate::step::StepArgs { short_step_target_ms: 0, ..args };
     assert!(bad.config().expect_err("zero").contains("--short-step-target-ms"));
 }
+
+#[test]
+fn only_a_step_of_long_prompts_none_finishing_is_preemptible_and_it_stops_early_only() {
+    let config = StepConfig { long_threshold: 256, preempt: true, ..StepConfig::single(512) };
+    // (prompt length, tokens this step, tokens before it)
+    assert!(config.preemptible([(2048, 512, 0), (1024, 256, 256)]));
+    assert!(!config.preemptible([(2048, 512, 0), (100, 100, 0)]), "a short prompt rides along");
+    assert!(!config.preemptible([(2048, 512, 1536)]), "it finishes a prompt: its layers ship");
+    assert!(!StepConfig { preempt: false, ..config }.preemptible([(2048, 512, 0)]));
+    // 30 layers: stops after layers 0..=22 (at least a quarter, 7.5 layers, left), not later.
+    let last = (0..30).filter(|&l| stops_after_layer(l, 30)).max();
+    assert_eq!(last, Some(22));
+    assert!((STOPPABLE_SHARE - 23.0 / 30.0).abs() < 0.02, "the time rule matches the layer rule");
+}
