@@ -178,8 +178,8 @@ if has goodput; then
     # What the capacity plan of that load test says such traffic needs (no spare, no growth).
     "$bin/pd-bench" plan --cost "$out/cost-cpu.json" --requests "$out/runs/goodput-disagg/requests.json" \
         --spare 0 --scale-out-s 0 --window-s 60 --out "$out/plan-goodput" >/dev/null
-    # ... and the same 8 workers split as that plan's pools are (prefill first, the rest decode).
-    np=$(python3 -c "import json; print(min(7, max(1, json.load(open('$out/plan-goodput/plan.json'))['prefill']['serving'])))")
+    # ... and the same 8 workers split in the proportion of that plan's pools.
+    np=$(python3 -c "import json; p = json.load(open('$out/plan-goodput/plan.json')); n, d = p['prefill']['serving'], p['decode']['serving']; print(min(7, max(1, round(8 * n / (n + d)))))")
     echo "== goodput: planned split $np + $((8 - np))" >&2
     sim goodput-planned "$out/cost-cpu.json" "$np" $((8 - np))
     bench goodput-planned "$out/scenarios/goodput.txt" 1

@@ -131,7 +131,8 @@ split = "as planned"
 if os.path.exists(f"{out}/plan-goodput/plan.json"):
     with open(f"{out}/plan-goodput/plan.json") as f:
         gp = json.load(f)
-    np_ = min(7, max(1, gp["prefill"]["serving"]))
+    n, d = gp["prefill"]["serving"], gp["decode"]["serving"]
+    np_ = min(7, max(1, round(8 * n / (n + d))))
     split = f"{np_} + {8 - np_} as planned"
 if dis and col:
     print("## 4. Goodput at fixed SLOs: 8 simulated CPU workers split 4 + 4, split as the plan says, or colocated\n")
@@ -156,7 +157,9 @@ if dis and col:
             gp = json.load(f)
         print(f"\n`pd-bench plan` on the 4 + 4 run's load test (no spare, no growth; `plan-goodput/plan.md`): "
               f"{gp['prefill']['serving']} prefill + {gp['decode']['serving']} decode workers serve this traffic "
-              f"(prefill {gp['prefill']['peak']:.2f} workers busy at the peak, planned at 0.7 each).")
+              f"(prefill {gp['prefill']['peak']:.2f} workers busy at the peak, planned at 0.7 each; decode "
+              f"{gp['batch']['peak_sequences']:.0f} sequences at the p95 over time, planned at 0.8 of a "
+              f"{gp['batch']['planned']}-row batch each); the 8 workers are split in that proportion.")
     print()
 
 loss = summary("loss")

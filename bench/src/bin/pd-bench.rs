@@ -184,6 +184,10 @@ enum Command {
         prefill_utilization: f64,
         #[arg(long, default_value_t = 0.8)]
         decode_utilization: f64,
+        /// Decode is sized for the sequences open at once at this quantile over time (0: at
+        /// their mean).
+        #[arg(long, default_value_t = 0.95)]
+        decode_percentile: f64,
         /// The prefill workers' step policy (their flags).
         #[command(flatten)]
         step: pd_prefill::step::StepArgs,
@@ -357,6 +361,7 @@ async fn main() -> anyhow::Result<()> {
             spare,
             prefill_utilization,
             decode_utilization,
+            decode_percentile,
             step,
         } => {
             use pd_bench::plan::{self, traffic::Traffic, PlanConfig, Targets};
@@ -367,6 +372,7 @@ async fn main() -> anyhow::Result<()> {
                 spare,
                 prefill_utilization,
                 decode_utilization,
+                decode_percentile: (decode_percentile != 0.0).then_some(decode_percentile),
                 step: step.config().map_err(anyhow::Error::msg)?,
                 ..PlanConfig::default()
             };

@@ -10,8 +10,14 @@
 //!    target utilization, rounded up, plus the spare replicas kept for a loss.
 //! 3. **Decode pool**: the most rows a step may hold is the largest batch whose step time stays
 //!    under the tightest ITL SLO at the traffic's mean context, and whose reservations (prompt +
-//!    whole output, decode-first) fit the KV blocks. One replica then yields batch / step tokens
-//!    per second; replicas follow from the peak output tokens/s as for prefill.
+//!    whole output, decode-first) fit the KV blocks. Demand is the sequences open at once at a
+//!    percentile over time (`decode_percentile`, p95 by default), not their mean: first tokens
+//!    come in bursts after prefill queues, and a worker past its batch limit breaks every
+//!    stream's ITL. Per window, the larger of the load test's own percentile (each first
+//!    sending open from its first token, or its sending plus its prompt's idle prefill time,
+//!    for its output tokens at the planned step time) and that percentile for Poisson arrivals
+//!    at the window's mean (the count of an M/G/inf queue is Poisson; normal approximation).
+//!    Replicas follow from the peak as for prefill, at `decode_utilization` of the batch.
 //! 4. **Loss of one replica**: the planned pools minus one carry the peak: prefill utilization
 //!    of 1 or more means its queue grows without bound; decode sequences per replica beyond
 //!    the KV limit mean reservations are refused and retried elsewhere, a cascade.
@@ -52,6 +58,9 @@ pub struct PlanConfig {
     pub prefill_utilization: f64,
     /// Fraction of the ITL- and KV-limited batch a decode worker is planned at.
     pub decode_utilization: f64,
+    /// Decode sequences are planned at this quantile over time of how many are open at once
+    /// (None: at their mean, output tokens/s x step time).
+    pub decode_percentile: Option<f64>,
     /// Time from a scale-out decision to a serving replica.
     pub scale_out_s: f64,
     /// Replicas kept spare per pool for the loss of one.
@@ -69,6 +78,7 @@ impl Default for PlanConfig {
             default_slo: Targets { ttft_ms: 1500.0, itl_ms: 100.0 },
             prefill_utilization: 0.7,
             decode_utilization: 0.8,
+            decode_percentile: Some(0.95),
             scale_out_s: 120.0,
             spare: 1,
             step: default_step(),
@@ -124,6 +134,10 @@ pub struct Window {
     /// Prefill workers busy all the time to compute this window's prompts.
     pub prefill_work: f64,
     pub output_total_tok_s: f64,
+    /// Decode sequences open at once, at the planned step time: the mean over the window, and
+    /// at `decode_percentile` (the mean when it is None).
+    pub decode_mean_sequences: f64,
+    pub decode_sequences: f64,
 }
 
 /// One pool's sizing.
@@ -174,6 +188,8 @@ pub struct CapacityPlan {
     pub cost_source: String,
     pub window_s: f64,
     pub scale_out_s: f64,
+    /// The quantile over time decode is sized for (None: the mean).
+    pub decode_percentile: Option<f64>,
     pub windows: Vec<Window>,
     pub classes: Vec<ClassRow>,
     pub prefill: Pool,
@@ -191,6 +207,8 @@ pub enum PlanError {
     Empty,
     #[error("{0} must be positive")]
     NotPositive(&'static str),
+    #[error("--decode-percentile must be in (0, 1), got {0}")]
+    Percentile(f64),
 }
 
 fn uncached(r: &RequestSample) -> usize {
@@ -224,6 +242,8 @@ fn windows(firsts: &[&RequestSample], duration_s: f64, cost: &WorkerCost, cfg: &
             output_tok_s: BTreeMap::new(),
             prefill_work: 0.0,
             output_total_tok_s: 0.0,
+            decode_mean_sequences: 0.0,
+            decode_sequences: 0.0,
         })
         .collect();
     for r in firsts {
@@ -258,13 +278,16 @@ pub fn plan(
             return Err(PlanError::NotPositive(name));
         }
     }
+    if let Some(q) = cfg.decode_percentile.filter(|q| !(*q > 0.0 && *q < 1.0)) {
+        return Err(PlanError::Percentile(q));
+    }
     let firsts: Vec<&RequestSample> = samples.iter().filter(|r| r.attempt == 0).collect();
     if firsts.is_empty() {
         return Err(PlanError::Empty);
     }
     let last = samples.iter().map(|r| r.end_ms.unwrap_or(r.sent_ms).max(r.sent_ms)).fold(0.0, f64::max) / 1e3;
     let duration_s = duration_s.unwrap_or(last).max(last).max(1e-3);
-    let windows = windows(&firsts, duration_s, cost, cfg);
+    let mut windows = windows(&firsts, duration_s, cost, cfg);
     let window_s = cfg.window_s.min(duration_s);
     let mut warnings = Vec::new();
     let slo = |class: &str| cfg.slos.get(class).copied().unwrap_or(cfg.default_slo);
@@ -281,6 +304,17 @@ pub fn plan(
     let mean_in = firsts.iter().map(|r| r.input_tokens as f64).sum::<f64>() / n;
     let mean_out = firsts.iter().map(|r| output_of(r) as f64).sum::<f64>() / n;
     let batch = decode_batch(cost, mean_in, mean_out, itl, &mut warnings);
+    let step_s = batch.step_ms / 1e3;
+    let spans = decode_spans(&firsts, cost, cfg, step_s);
+    for (i, w) in windows.iter_mut().enumerate() {
+        let end = if i + 1 < count_of(duration_s, window_s) { w.start_s + window_s } else { duration_s };
+        let (mean, at_q) = open_at(&spans, w.start_s, end, cfg.decode_percentile);
+        w.decode_mean_sequences = mean;
+        w.decode_sequences = match cfg.decode_percentile {
+            Some(q) => at_q.max(poisson_quantile(mean, q)),
+            None => mean,
+        };
+    }
 
     // Pools.
     let prefill = pool(
@@ -291,20 +325,19 @@ pub fn plan(
         cfg.prefill_utilization,
         |peak, r| (peak / f64::from(r.max(1)), peak / f64::from(r.max(1)) >= 1.0),
     );
-    let per_decode = batch.planned as f64 / (batch.step_ms / 1e3) * cfg.decode_utilization;
-    let seqs_per_token_s = batch.step_ms / 1e3;
-    let decode = pool(
-        &windows,
-        window_s,
-        cfg,
-        |w| w.output_total_tok_s,
-        per_decode,
-        |peak, r| {
-            let per_replica = peak * seqs_per_token_s / f64::from(r.max(1));
-            let over = per_replica / batch.kv_limit.max(1) as f64;
-            (over, over > 1.0)
-        },
-    );
+    let per_decode = batch.planned as f64 / step_s * cfg.decode_utilization;
+    let seqs_per_token_s = step_s;
+    // Without a percentile, the output rate itself (the sequences' mean times the rate each
+    // yields); with one, the sequences at that percentile in tokens/s at the planned step.
+    let decode_demand = |w: &Window| match cfg.decode_percentile {
+        None => w.output_total_tok_s,
+        Some(_) => w.decode_sequences / step_s,
+    };
+    let decode = pool(&windows, window_s, cfg, decode_demand, per_decode, |peak, r| {
+        let per_replica = peak * seqs_per_token_s / f64::from(r.max(1));
+        let over = per_replica / batch.kv_limit.max(1) as f64;
+        (over, over > 1.0)
+    });
     let peak_sequences = decode.peak * seqs_per_token_s;
     let blocks = f64::from(decode.replicas.max(1)) * f64::from(cost.worker.kv_blocks);
     let batch = DecodeBatch {
@@ -318,6 +351,7 @@ pub fn plan(
         cost_source: cost.source.clone(),
         window_s,
         scale_out_s: cfg.scale_out_s,
+        decode_percentile: cfg.decode_percentile,
         windows,
         classes: rows,
         prefill,
@@ -326,6 +360,104 @@ pub fn plan(
         keda,
         warnings,
     })
+}
+
+/// How many windows `windows` makes of `duration_s` (a short last one folded in).
+fn count_of(duration_s: f64, window_s: f64) -> usize {
+    let count = ((duration_s / window_s).ceil() as usize).max(1);
+    let last = duration_s - (count - 1) as f64 * window_s;
+    if count > 1 && last < 0.1 * window_s {
+        count - 1
+    } else {
+        count
+    }
+}
+
+/// When each first sending holds a decode sequence, in seconds: from its first token (as
+/// measured, else its sending plus its prompt's time on an idle prefill worker and the KV
+/// commit) for its output tokens at `step_s` each.
+fn decode_spans(firsts: &[&RequestSample], cost: &WorkerCost, cfg: &PlanConfig, step_s: f64) -> Vec<(f64, f64)> {
+    firsts
+        .iter()
+        .map(|r| {
+            let idle = (cost.prefill_planned_ms(uncached(r), &cfg.step) + cost.kv_commit_ms(r.input_tokens)) / 1e3;
+            let start = r.token_ms.first().map_or(r.sent_ms / 1e3 + idle, |t| t / 1e3);
+            (start, start + output_of(r) as f64 * step_s)
+        })
+        .collect()
+}
+
+/// Over [from, to): the mean number of `spans` open, and the number open at quantile `q` of
+/// the time (the smallest count that is not exceeded for at least that share of it).
+fn open_at(spans: &[(f64, f64)], from: f64, to: f64, q: Option<f64>) -> (f64, f64) {
+    let length = to - from;
+    if length <= 0.0 {
+        return (0.0, 0.0);
+    }
+    let (mut open, mut events) = (0i64, Vec::new());
+    for &(start, end) in spans {
+        if end <= from || start >= to || end <= start {
+            continue;
+        }
+        if start <= from {
+            open += 1;
+        } else {
+            events.push((start, 1));
+        }
+        if end < to {
+            events.push((end, -1));
+        }
+    }
+    events.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut time_at: BTreeMap<i64, f64> = BTreeMap::new();
+    let mut t = from;
+    for (at, change) in events {
+        *time_at.entry(open).or_default() += at - t;
+        t = at;
+        open += change;
+    }
+    *time_at.entry(open).or_default() += to - t;
+    let mean = time_at.iter().map(|(n, d)| *n as f64 * d).sum::<f64>() / length;
+    let Some(q) = q else { return (mean, mean) };
+    let mut covered = 0.0;
+    for (n, d) in &time_at {
+        covered += d;
+        if covered >= q * length - 1e-12 {
+            return (mean, *n as f64);
+        }
+    }
+    (mean, time_at.keys().last().copied().unwrap_or(0) as f64)
+}
+
+/// The `q` quantile of a Poisson count of mean `mean`, by the normal approximation
+/// (mean + z sqrt(mean)).
+fn poisson_quantile(mean: f64, q: f64) -> f64 {
+    if mean <= 0.0 {
+        return 0.0;
+    }
+    mean + normal_quantile(q) * mean.sqrt()
+}
+
+/// The standard normal's `q` quantile, by bisection on its distribution function (erf by
+/// Abramowitz and Stegun 7.1.26, error below 1.5e-7).
+fn normal_quantile(q: f64) -> f64 {
+    let erf = |x: f64| {
+        let t = 1.0 / (1.0 + 0.327_591_1 * x.abs());
+        let poly =
+            t * (0.254_829_592 + t * (-0.284_496_736 + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
+        (1.0 - poly * (-x * x).exp()).copysign(x)
+    };
+    let cdf = |z: f64| 0.5 * (1.0 + erf(z / std::f64::consts::SQRT_2));
+    let (mut lo, mut hi) = (-10.0, 10.0);
+    for _ in 0..100 {
+        let mid = 0.5 * (lo + hi);
+        if cdf(mid) < q {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    0.5 * (lo + hi)
 }
 
 fn decode_batch(cost: &WorkerCost, mean_in: f64, mean_out: f64, itl: f64, warnings: &mut Vec<String>) -> DecodeBatch {

@@ -73,8 +73,16 @@ pub fn markdown(p: &CapacityPlan) -> String {
     );
     let _ = writeln!(
         s,
-        "\nDecode step: mean context {:.0} tokens, {} blocks per reservation; batch limit {} by the ITL SLO, {} by KV; planned batch {} at {:.1} ms per step; {:.0} sequences at the peak, KV usage {:.0}% of the planned pool.",
-        b.mean_context, b.blocks_per_sequence, b.itl_limit, b.kv_limit, b.planned, b.step_ms, b.peak_sequences, b.peak_kv_usage * 100.0
+        "\nDecode step: mean context {:.0} tokens, {} blocks per reservation; batch limit {} by the ITL SLO, {} by KV; planned batch {} at {:.1} ms per step; {:.0} sequences at the peak ({}), KV usage {:.0}% of the planned pool.",
+        b.mean_context,
+        b.blocks_per_sequence,
+        b.itl_limit,
+        b.kv_limit,
+        b.planned,
+        b.step_ms,
+        b.peak_sequences,
+        p.decode_percentile.map_or("their mean".to_string(), |q| format!("p{:.0} over time", q * 100.0)),
+        b.peak_kv_usage * 100.0
     );
     let k = &p.keda;
     let _ = writeln!(

@@ -25,8 +25,15 @@ fn traffic(output: usize) -> Traffic {
     Traffic::parse(&json).expect("traffic")
 }
 
+/// Decode planned at the mean (the hand computations below); `decode_percentile` is tested
+/// on its own.
 fn config(t: &Traffic) -> PlanConfig {
-    PlanConfig { window_s: t.window_s, slos: t.targets().into_iter().collect(), ..PlanConfig::default() }
+    PlanConfig {
+        window_s: t.window_s,
+        slos: t.targets().into_iter().collect(),
+        decode_percentile: None,
+        ..PlanConfig::default()
+    }
 }
 
 fn close(a: f64, b: f64) -> bool {
@@ -106,4 +113,53 @@ fn an_unreachable_slo_and_bad_input_are_named() {
     );
     assert!(Traffic::parse(r#"{"window_s": 0, "classes": []}"#).is_err());
     assert!(Traffic::parse(r#"{"window_s": 1, "classes": [], "extra": 1}"#).expect_err("unknown").contains("extra"));
+}
+
+#[test]
+fn decode_is_sized_for_the_sequences_open_at_a_percentile_not_their_mean() {
+    // 2 requests/s in the second window, 32 tokens out at 10 ms: each holds a sequence for
+    // 0.32 s, about 0.64 on average (a second after its sending: one span crosses each window
+    // edge). Evenly spaced, never more than 1 is open; Poisson arrivals at that mean give a
+    // p95 of mean + 1.645 sqrt(mean).
+    let t = traffic(32);
+    let cfg = PlanConfig { decode_percentile: Some(0.95), ..config(&t) };
+    let p = plan(&t.samples(), Some(200.0), &cost(100), &cfg).expect("plan");
+    let w = &p.windows[1];
+    let mean = w.decode_mean_sequences;
+    assert!((mean - 0.64).abs() < 0.01, "{w:?}");
+    assert!((w.decode_sequences - (mean + 1.644_85 * mean.sqrt())).abs() < 1e-3, "{w:?}");
+    assert!(close(p.decode.peak, w.decode_sequences / 0.01));
+    // A burst the mean hides: 40 first tokens at once, 32 tokens each at 10 ms (0.32 s), every
+    // 10 s: 1.28 sequences on average, 40 for 3.2% of the time and 0 otherwise.
+    let burst: Vec<RequestSample> = (0..400)
+        .map(|i| {
+            let at = (i / 40) as f64 * 10_000.0;
+            RequestSample {
+                class: "chat".into(),
+                input_tokens: 100,
+                requested_output_tokens: 32,
+                sent_ms: at,
+                token_ms: (0..32).map(|k| at + 500.0 + 10.0 * k as f64).collect(),
+                end_ms: Some(at + 820.0),
+                reported_output_tokens: Some(32),
+                error: None,
+                status: None,
+                retry_after_s: None,
+                cached_tokens: None,
+                attempt: 0,
+            }
+        })
+        .collect();
+    let at = |q: Option<f64>| {
+        let cfg = PlanConfig { window_s: 100.0, decode_percentile: q, ..config(&t) };
+        plan(&burst, Some(100.0), &cost(100), &cfg).expect("plan")
+    };
+    let (mean, p99) = (at(None), at(Some(0.99)));
+    assert!((mean.windows[0].decode_sequences - 1.28).abs() < 1e-6, "{:?}", mean.windows[0]);
+    assert_eq!(p99.windows[0].decode_sequences, 40.0, "the burst");
+    assert_eq!((mean.decode.serving, p99.decode.serving), (1, 7), "40 at 8 rows x 0.8 each");
+    assert!(matches!(
+        plan(&burst, None, &cost(100), &PlanConfig { decode_percentile: Some(1.5), ..config(&t) }),
+        Err(PlanError::Percentile(_))
+    ));
 }
