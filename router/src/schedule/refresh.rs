@@ -3,6 +3,7 @@
 //! does not answer within the timeout leaves the fleet until it answers again. Each call asks
 //! for the worker's prefix-cache events after the last one the router applied.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -18,10 +19,10 @@ use crate::workers::Pool;
 const LOAD_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// Per worker address, the `Load` request that continues its cache events.
-pub(super) type Cursors = Vec<(String, pb::LoadRequest)>;
+pub(super) type Cursors = HashMap<String, pb::LoadRequest>;
 
 fn cursor(cursors: &Cursors, addr: &str) -> pb::LoadRequest {
-    cursors.iter().find(|(a, _)| a == addr).map(|(_, c)| *c).unwrap_or_default()
+    cursors.get(addr).copied().unwrap_or_default()
 }
 
 async fn poll_decode(pool: &Pool, cursors: &Cursors) -> Vec<(String, pb::DecodeLoad)> {
