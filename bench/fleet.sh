@@ -17,6 +17,7 @@
 # part 2 as up.sh pins it, load generator on core 0).
 #   bench/fleet.sh                 (writes bench/results/fleet/)
 #   PARTS="scale loss" bench/fleet.sh   (rerun some parts; the summary reads every part's last run)
+#   SIZES="8 128 1000" PARTS=scale bench/fleet.sh   (the fleet sizes of part 3; default 8 32 128)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=bench/results/fleet
@@ -138,7 +139,7 @@ class interactive concurrency=64 input=32..64 output=16 ttft_p95_ms=1500 itl_p95
 EOF
 if has scale; then
     : >"$out/runs/scale-cpu.txt"
-    for n in 8 32 128; do
+    for n in ${SIZES:-8 32 128}; do
         echo "== scale: $n workers" >&2
         sim "scale-$n" "$out/cost-fast.json" $((n / 2)) $((n / 2))
         sleep 2

@@ -238,8 +238,8 @@ impl Scheduler {
     /// The `Load` request for each known worker: where its cache events continue.
     fn cursors(&self) -> (refresh::Cursors, refresh::Cursors) {
         let state = self.lock();
-        let decode = state.fleet.decode.iter().map(|d| (d.addr.clone(), d.prefixes.cursor())).collect();
-        let prefill = state.fleet.prefill.iter().map(|p| (p.addr.clone(), p.prefixes.cursor())).collect();
+        let decode = state.fleet.decode().iter().map(|d| (d.addr.clone(), d.prefixes.cursor())).collect();
+        let prefill = state.fleet.prefill().iter().map(|p| (p.addr.clone(), p.prefixes.cursor())).collect();
         (decode, prefill)
     }
 

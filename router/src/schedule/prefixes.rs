@@ -28,6 +28,8 @@ pub struct PrefixIndex {
     /// Hashes (seed 0) this router routed there, with their expiry.
     routed: HashMap<u64, Instant>,
     routed_block_size: u32,
+    /// When expired routed hashes are next dropped.
+    purge_at: Option<Instant>,
 }
 
 #[derive(Debug, Clone)]
@@ -49,15 +51,21 @@ impl PrefixIndex {
     }
 
     /// Applies one `Load` answer's cache part; `block_size` is the worker's (0: unknown).
-    pub fn apply(&mut self, events: Option<pb::CacheEvents>, block_size: u32) {
+    /// `changed` hears every hash the worker starts (true) or stops (false) holding, so the
+    /// fleet's inverted index (`fleet/holders.rs`) follows.
+    pub fn apply(&mut self, events: Option<pb::CacheEvents>, block_size: u32, changed: &mut dyn FnMut(u64, bool)) {
         self.routed_block_size = if block_size > 0 { block_size } else { DEFAULT_BLOCK_SIZE };
         let Some(e) = events else {
-            self.followed = None;
+            if let Some(f) = self.followed.take() {
+                f.hashes.iter().for_each(|h| changed(*h, false));
+            }
             return;
         };
         let same = self.followed.as_ref().is_some_and(|f| f.instance == e.instance && f.seed == e.hash_seed);
         if e.snapshot || !same {
+            self.forget(changed);
             let hashes: HashSet<u64> = e.snapshot_hashes.iter().copied().collect();
+            hashes.iter().for_each(|h| changed(*h, true));
             let base = Followed {
                 instance: e.instance,
                 seed: e.hash_seed,
@@ -66,7 +74,6 @@ impl PrefixIndex {
                 hashes,
             };
             self.followed = Some(base);
-            self.routed.clear();
             if !e.snapshot {
                 // A new instance answered events meant for the old one: ask for a snapshot.
                 return;
@@ -84,11 +91,34 @@ impl PrefixIndex {
                 return;
             }
             f.last_seq = ev.seq;
-            if ev.stored {
-                f.hashes.insert(ev.hash);
-            } else {
-                f.hashes.remove(&ev.hash);
+            let now_held = if ev.stored { f.hashes.insert(ev.hash) } else { f.hashes.remove(&ev.hash) };
+            if now_held {
+                changed(ev.hash, ev.stored);
             }
+        }
+    }
+
+    /// Drops everything known (the worker left the fleet, or its events start over).
+    pub fn forget(&mut self, changed: &mut dyn FnMut(u64, bool)) {
+        if let Some(f) = self.followed.take() {
+            f.hashes.iter().for_each(|h| changed(*h, false));
+        }
+        self.routed.drain().for_each(|(h, _)| changed(h, false));
+    }
+
+    /// Every hash known (events) or remembered (routed), expired or not.
+    pub fn for_each_hash(&self, f: &mut dyn FnMut(u64)) {
+        match &self.followed {
+            Some(fw) => fw.hashes.iter().for_each(|h| f(*h)),
+            None => self.routed.keys().for_each(|h| f(*h)),
+        }
+    }
+
+    /// The (seed, block size) its hashes are computed with.
+    pub fn hash_key(&self) -> (u64, u32) {
+        match &self.followed {
+            Some(f) => (f.seed, f.block_size),
+            None => (0, self.routed_block_size),
         }
     }
 
@@ -100,10 +130,7 @@ impl PrefixIndex {
     /// Blocks this worker holds of the prompt (leading full blocks, never the one of its last
     /// token, which is always computed), in tokens.
     pub fn cached_tokens(&self, prompt: &Prompt, now: Instant) -> usize {
-        let (seed, bs) = match &self.followed {
-            Some(f) => (f.seed, f.block_size),
-            None => (0, self.routed_block_size),
-        };
+        let (seed, bs) = self.hash_key();
         let hashes = prompt.hashes(seed, bs);
         let found = match &self.followed {
             Some(f) => hashes.iter().take_while(|h| f.hashes.contains(h)).count(),
@@ -112,14 +139,26 @@ impl PrefixIndex {
         found * bs as usize
     }
 
-    /// A prompt was routed here: without events, remember its blocks for `ROUTED_TTL`.
-    pub fn routed(&mut self, prompt: &Prompt, now: Instant) {
+    /// A prompt was routed here: without events, remember its blocks for `ROUTED_TTL`
+    /// (expired ones are dropped at most once per `ROUTED_TTL / 8`).
+    pub fn routed(&mut self, prompt: &Prompt, now: Instant, changed: &mut dyn FnMut(u64, bool)) {
         if self.followed.is_some() {
             return;
         }
-        self.routed.retain(|_, t| *t > now);
+        if self.purge_at.is_none_or(|at| at <= now) {
+            self.routed.retain(|h, t| {
+                let keep = *t > now;
+                if !keep {
+                    changed(*h, false);
+                }
+                keep
+            });
+            self.purge_at = Some(now + ROUTED_TTL / 8);
+        }
         for h in prompt.hashes(0, self.routed_block_size).iter() {
-            self.routed.insert(*h, now + ROUTED_TTL);
+            if self.routed.insert(*h, now + ROUTED_TTL).is_none() {
+                changed(*h, true);
+            }
         }
     }
 
@@ -190,20 +229,20 @@ mod tests {
         let mut index = PrefixIndex::default();
         // First contact: the worker sends a snapshot (the router asked from instance 0).
         let snap = pb::CacheEvents { snapshot: true, snapshot_hashes: vec![h[0]], ..events(7, 4, vec![]) };
-        index.apply(Some(snap), 4);
+        index.apply(Some(snap), 4, &mut |_, _| {});
         assert_eq!(index.cursor(), pb::LoadRequest { cache_events_after: 4, cache_instance: 7 });
         let now = Instant::now();
         assert_eq!(index.cached_tokens(&prompt, now), 4);
-        index.apply(Some(events(7, 6, vec![stored(5, h[1]), stored(6, h[2])])), 4);
+        index.apply(Some(events(7, 6, vec![stored(5, h[1]), stored(6, h[2])])), 4, &mut |_, _| {});
         assert_eq!(index.cached_tokens(&prompt, now), 12);
-        index.apply(Some(events(7, 7, vec![pb::CacheEvent { seq: 7, stored: false, hash: h[1] }])), 4);
+        index.apply(Some(events(7, 7, vec![pb::CacheEvent { seq: 7, stored: false, hash: h[1] }])), 4, &mut |_, _| {});
         assert_eq!(index.cached_tokens(&prompt, now), 4, "a removed middle block ends the prefix");
         // Event 8 missed: the index asks for a snapshot and keeps what it knew meanwhile.
-        index.apply(Some(events(7, 9, vec![stored(9, h[1])])), 4);
+        index.apply(Some(events(7, 9, vec![stored(9, h[1])])), 4, &mut |_, _| {});
         assert_eq!(index.cursor(), pb::LoadRequest { cache_events_after: 0, cache_instance: 0 });
         // The worker restarted: a new instance's snapshot replaces everything.
         let restarted = pb::CacheEvents { snapshot: true, snapshot_hashes: vec![], ..events(8, 0, vec![]) };
-        index.apply(Some(restarted), 4);
+        index.apply(Some(restarted), 4, &mut |_, _| {});
         assert_eq!(index.cached_tokens(&prompt, now), 0);
         assert_eq!(index.cursor().cache_instance, 8);
     }
@@ -212,10 +251,10 @@ mod tests {
     fn without_events_the_routed_prefixes_count_until_they_expire() {
         let prompt = Prompt::new((0..40).collect());
         let mut index = PrefixIndex::default();
-        index.apply(None, 16);
+        index.apply(None, 16, &mut |_, _| {});
         let now = Instant::now();
         assert_eq!(index.cached_tokens(&prompt, now), 0);
-        index.routed(&prompt, now);
+        index.routed(&prompt, now, &mut |_, _| {});
         assert_eq!(index.cached_tokens(&prompt, now), 32);
         assert_eq!(index.cached_tokens(&prompt, now + ROUTED_TTL + Duration::from_secs(1)), 0);
     }

@@ -100,6 +100,7 @@ pub struct State<R> {
 impl<R> State<R> {
     pub fn new(classes: &Classes, config: ScheduleConfig, prefill_pool: bool) -> Self {
         let all = classes.all();
+        let fleet = Fleet::new(config.prior_tokens_per_s, config.step_budget);
         State {
             config,
             prefill_pool,
@@ -107,7 +108,7 @@ impl<R> State<R> {
             tightest_ttft: all.iter().map(|c| c.ttft_slo()).min().unwrap_or(Duration::MAX),
             waiting: Vec::new(),
             queued_tokens: vec![0; all.len()],
-            fleet: Fleet::default(),
+            fleet,
             seq: 0,
             bookings: HashMap::new(),
             released: Events::default(),
@@ -128,13 +129,13 @@ impl<R> State<R> {
         now: Instant,
     ) -> Result<Admitted, RouterError> {
         let tokens = prompt.len();
-        if self.fleet.decode.is_empty() {
+        if self.fleet.decode().is_empty() {
             return Err(RouterError::NoWorker("decode"));
         }
         // What must be computed: a cached prefix costs no prefill time.
         let work = tokens - self.fleet.expected_cached(&prompt, now).min(tokens);
-        let (_, rate) = self.fleet.prefill_pool(self.config.prior_tokens_per_s, self.config.step_budget);
-        let in_flight: Vec<usize> = self.fleet.prefill.iter().flat_map(|p| p.in_flight_tokens()).collect();
+        let (_, rate) = self.fleet.prefill_pool();
+        let in_flight = self.fleet.prefill_in_flight();
         // A long prompt is prefilled a few at a time (`dispatch`); one that waits for its
         // turn holds back only other long ones, not this request if it is short.
         let own = policy::estimated_wait(0, work, rate);
@@ -144,7 +145,7 @@ impl<R> State<R> {
         let (queued_ahead, oldest_ahead) =
             ahead_of_me.fold((0, Duration::ZERO), |(n, o), w| (n + 1, o.max(now.saturating_duration_since(w.arrived))));
         let itl = Duration::from_millis(class.spec.itl_slo_ms);
-        let need = self.fleet.decode.first().map_or(0, |d| d.blocks_for(tokens + max_tokens));
+        let need = self.fleet.decode().first().map_or(0, |d| d.blocks_for(tokens + max_tokens));
         let top = priority >= self.top_priority;
         let view = policy::QueueView {
             tokens_ahead: policy::tokens_ahead(&self.waiting, priority, &in_flight, work),
@@ -152,7 +153,7 @@ impl<R> State<R> {
             queued_ahead,
             oldest_ahead,
             decode_room: self.fleet.best_decode(need, itl, now).is_some(),
-            prefill_room: !self.prefill_pool || self.fleet.prefill.iter().any(|p| p.has_room(top)),
+            prefill_room: !self.prefill_pool || self.fleet.prefill_room(top),
             released_per_s: self.released.per_s(now),
             served_per_s: self.service.per_s(now),
         };
@@ -185,7 +186,8 @@ impl<R> State<R> {
             .map_err(|r| RouterError::Overloaded { message: r.message, retry_after_s: r.retry_after_s })?;
         // A long prompt may wait its turn (about its own prefill) on top of the queue age.
         let patience = if long { own * 2 } else { Duration::ZERO };
-        Ok(self.enqueue(class, Entry { prompt, reply }, max_tokens, now + class.ttft_slo(), long, patience, now))
+        let entry = Entry { prompt, reply };
+        Ok(self.enqueue(class, entry, work, max_tokens, now + class.ttft_slo(), long, patience, now))
     }
 
     /// Queues a request whose decode worker was lost mid-stream (`prompt`: its prompt and the
@@ -203,17 +205,20 @@ impl<R> State<R> {
         if self.fleet.healthy_decode(now).next().is_none() {
             return Err(RouterError::NoWorker("decode"));
         }
-        Ok(self.enqueue(class, Entry { prompt, reply }, max_tokens, now, false, Duration::ZERO, now))
+        let work = prompt.len() - self.fleet.expected_cached(&prompt, now).min(prompt.len());
+        Ok(self.enqueue(class, Entry { prompt, reply }, work, max_tokens, now, false, Duration::ZERO, now))
     }
 
     /// Puts an admitted request in the queue with TTFT deadline `deadline` (its place among
-    /// its priority). `long`: a long prompt (`policy::is_long`), which may wait `patience`
-    /// longer than the class's queue age before it stalls.
+    /// its priority); `work`: its prompt tokens less what the best-placed worker caches.
+    /// `long`: a long prompt (`policy::is_long`), which may wait `patience` longer than the
+    /// class's queue age before it stalls.
     #[allow(clippy::too_many_arguments)]
     fn enqueue(
         &mut self,
         class: &Class,
         entry: Entry<R>,
+        work: usize,
         max_tokens: usize,
         deadline: Instant,
         long: bool,
@@ -221,8 +226,6 @@ impl<R> State<R> {
         now: Instant,
     ) -> Admitted {
         let tokens = entry.prompt.len();
-        // What must be computed: the prompt less what the best-placed worker caches.
-        let work = tokens - self.fleet.expected_cached(&entry.prompt, now).min(tokens);
         self.seq += 1;
         let seq = self.seq;
         self.waiting.push(Waiting {
@@ -248,7 +251,7 @@ impl<R> State<R> {
     /// (`long_prefills_per_worker` per prefill worker); at the cap, shorter requests pass them.
     /// A waiter that is gone gives its booking back with `release(seq, false, now)`.
     pub fn dispatch(&mut self, now: Instant) -> Vec<(R, Placement)> {
-        let cap = self.config.long_prefills_per_worker.max(1) * self.fleet.prefill.len().max(1);
+        let cap = self.config.long_prefills_per_worker.max(1) * self.fleet.prefill().len().max(1);
         let mut granted = Vec::new();
         while let Some(i) = policy::next(&self.waiting, self.long_prefills < cap) {
             let Some(placement) = self.place(i, now) else { break };
@@ -280,19 +283,18 @@ impl<R> State<R> {
         // The decode worker reserves the prompt and the whole output.
         let blocks = probe.blocks_for(w.tokens + w.max_tokens);
         let (decode, decode_cached) = self.fleet.choose_decode(blocks, w.itl_slo, &prompt, cfg.prefix_weight, now)?;
-        let (pool_wait, _) = self.fleet.prefill_pool(cfg.prior_tokens_per_s, cfg.step_budget);
+        let (pool_wait, _) = self.fleet.prefill_pool();
         let place = policy::place(&cfg.local, w.tokens, w.max_tokens, pool_wait, decode.free_fraction());
         let prefill = if place.is_local() {
             None
         } else {
             let top = w.priority >= self.top_priority;
-            let (p, wait, cached) =
-                self.fleet.choose_prefill(top, cfg.prior_tokens_per_s, cfg.step_budget, &prompt, now)?;
+            let (p, wait, cached) = self.fleet.choose_prefill(top, &prompt, now)?;
             Some((p.addr.clone(), wait, cached))
         };
         let (decode_addr, seq, tokens, itl) = (decode.addr.clone(), w.seq, w.tokens, w.itl_slo);
         let waited = now.saturating_duration_since(w.arrived);
-        if let Some(d) = self.fleet.decode_mut(&decode_addr) {
+        if let Some(d) = self.fleet.decode_at(&decode_addr) {
             tracing::debug!(
                 waited_ms = waited.as_millis() as u64,
                 step_ms = d.load.step_ms,
@@ -301,14 +303,10 @@ impl<R> State<R> {
                 ours = d.ours(),
                 "granted"
             );
-            d.book(blocks, itl);
-            d.prefixes.routed(&prompt, now);
         }
+        self.fleet.book_decode(&decode_addr, blocks, itl, &prompt, now);
         if let Some((addr, _, cached)) = &prefill {
-            if let Some(p) = self.fleet.prefill_mut(addr) {
-                p.book(seq, tokens - (*cached).min(tokens));
-                p.prefixes.routed(&prompt, now);
-            }
+            self.fleet.book_prefill(addr, seq, tokens - (*cached).min(tokens), &prompt, now);
         }
         let booking = Booking {
             decode: decode_addr.clone(),
@@ -336,9 +334,7 @@ impl<R> State<R> {
     pub fn decode_opened(&mut self, seq: u64) {
         if let Some(b) = self.bookings.get_mut(&seq) {
             if !std::mem::replace(&mut b.opened, true) {
-                if let Some(d) = self.fleet.decode_mut(&b.decode) {
-                    d.opened(b.blocks);
-                }
+                self.fleet.opened_decode(&b.decode, b.blocks);
             }
         }
     }
@@ -351,9 +347,7 @@ impl<R> State<R> {
             self.long_prefills = self.long_prefills.saturating_sub(1);
         }
         if let Some(addr) = b.prefill.take() {
-            if let Some(p) = self.fleet.prefill_mut(&addr) {
-                p.unbook(seq);
-            }
+            self.fleet.unbook_prefill(&addr, seq);
         }
     }
 
@@ -365,9 +359,7 @@ impl<R> State<R> {
         if ended {
             self.released.record(now);
         }
-        if let Some(d) = self.fleet.decode_mut(&b.decode) {
-            d.unbook(b.blocks, b.itl, b.opened);
-        }
+        self.fleet.unbook_decode(&b.decode, b.blocks, b.itl, b.opened);
     }
 
     /// Removes a waiting request (its client left, or it stalled); true if it was waiting.
@@ -388,7 +380,7 @@ impl<R> State<R> {
         now: Instant,
     ) {
         self.fleet.apply(decode, prefill);
-        if self.fleet.decode.is_empty() {
+        if self.fleet.decode().is_empty() {
             self.waiting.clear();
             self.queued_tokens.iter_mut().for_each(|t| *t = 0);
             self.note_queue(now);
@@ -419,20 +411,17 @@ impl<R> State<R> {
     /// The prefill worker with the shortest estimated wait, not in `exclude` (for retries;
     /// no slot is needed: the request already holds one).
     pub fn retry_prefill_worker(&self, exclude: &[String]) -> Option<String> {
-        let cfg = &self.config;
-        let open = self.fleet.prefill.iter().filter(|p| !exclude.contains(&p.addr));
-        open.min_by_key(|p| self.fleet.wait_of(p, cfg.prior_tokens_per_s, cfg.step_budget)).map(|p| p.addr.clone())
+        self.fleet.retry_prefill(exclude).map(|p| p.addr.clone())
     }
 
     /// The decode worker with the least load in blocks, not in `exclude`.
     pub fn retry_decode_worker(&self, exclude: &[String]) -> Option<String> {
-        let open = self.fleet.decode.iter().filter(|d| !exclude.contains(&d.addr));
-        open.min_by_key(|d| d.load_blocks()).map(|d| d.addr.clone())
+        self.fleet.retry_decode(exclude).map(|d| d.addr.clone())
     }
 
     /// True when a decode worker answers, and a prefill worker too if a pool is configured.
     pub fn ready(&self) -> bool {
-        !self.fleet.decode.is_empty() && (!self.prefill_pool || !self.fleet.prefill.is_empty())
+        !self.fleet.decode().is_empty() && (!self.prefill_pool || !self.fleet.prefill().is_empty())
     }
 }
 

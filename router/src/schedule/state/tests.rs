@@ -89,24 +89,24 @@ fn bookings_hold_blocks_until_the_worker_reports_them_and_go_back_on_release() {
     // 32 prompt + 16 output tokens: 3 blocks of 16.
     s.submit(&class, prompt(32, 1), 16, "a", t0).expect("admitted");
     let seq = s.dispatch(t0)[0].1.seq;
-    let d = &s.fleet.decode[0];
+    let d = &s.fleet.decode()[0];
     assert_eq!((d.free_blocks(), d.ours()), (97, 1), "granted, not yet reserved");
     // A refresh from before the reservation keeps the router's own accounting.
     s.refreshed(vec![("d0".into(), decode(100, 8))], vec![("p0".into(), prefill(4, 10_000.0))], t0);
-    assert_eq!(s.fleet.decode[0].free_blocks(), 97);
+    assert_eq!(s.fleet.decode()[0].free_blocks(), 97);
     // The worker reserved it: its own count includes the blocks, ours no longer does.
     s.decode_opened(seq);
     s.decode_opened(seq); // twice is once
     s.refreshed(vec![("d0".into(), decode(97, 8))], vec![("p0".into(), prefill(4, 10_000.0))], t0);
-    assert_eq!(s.fleet.decode[0].free_blocks(), 97);
-    assert_eq!(s.fleet.prefill[0].busy(), 1, "its prefill slot");
+    assert_eq!(s.fleet.decode()[0].free_blocks(), 97);
+    assert_eq!(s.fleet.prefill()[0].busy(), 1, "its prefill slot");
     s.prefill_done(seq);
-    assert_eq!(s.fleet.prefill[0].busy(), 0);
+    assert_eq!(s.fleet.prefill()[0].busy(), 0);
     s.release(seq, true, t0);
     s.release(seq, true, t0); // a second release changes nothing
-    assert_eq!((s.fleet.decode[0].ours(), s.fleet.decode[0].free_blocks()), (0, 97), "the worker's last report");
+    assert_eq!((s.fleet.decode()[0].ours(), s.fleet.decode()[0].free_blocks()), (0, 97), "the worker's last report");
     s.refreshed(vec![("d0".into(), decode(100, 8))], vec![("p0".into(), prefill(4, 10_000.0))], t0);
-    assert_eq!(s.fleet.decode[0].free_blocks(), 100);
+    assert_eq!(s.fleet.decode()[0].free_blocks(), 100);
 }
 
 #[test]
