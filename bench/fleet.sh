@@ -18,6 +18,7 @@
 #   bench/fleet.sh                 (writes bench/results/fleet/)
 #   PARTS="scale loss" bench/fleet.sh   (rerun some parts; the summary reads every part's last run)
 #   SIZES="8 128 1000" PARTS=scale bench/fleet.sh   (the fleet sizes of part 3; default 8 32 128)
+#   ROUTER_BIN=/path/to/old/pd-router ...   (another router binary over the simulated fleets: before/after)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=bench/results/fleet
@@ -27,9 +28,14 @@ port=18280
 scripts/fetch-model.sh >/dev/null
 cargo build --release --quiet --workspace --bins --features pd-kv-transfer/ucx
 parts="${PARTS:-profile validate scale goodput loss}"
-has() { [[ " $parts " == *" $1 "* ]]; }
+has() { [[ " $parts " == *" $1 "* ]] && note_machine "$1"; }
 [[ -z "${PARTS:-}" ]] && rm -rf "$out/runs" "$out/logs"
 mkdir -p "$out/runs" "$out/logs" "$out/scenarios"
+# Which machine each part last ran on (parts rerun later may run elsewhere).
+note_machine() { # PART
+    echo "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores, $(date -u +%F)" \
+        >"$out/runs/$1.machine"
+}
 pids=()
 stop() {
     for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
@@ -64,7 +70,7 @@ sim() { # NAME COST PREFILL DECODE [--lose ...]: simulated workers, then the rou
     decode=$(sed -n 's/^PD_DECODE_WORKERS=//p' "$out/logs/$name.env")
     local args=(--decode "$decode")
     [[ -n "$prefill" ]] && args+=(--prefill "$prefill")
-    PD_LOG_FORMAT=json taskset -c 0 "$bin/pd-router" --model "$model" --http-listen "127.0.0.1:$port" \
+    PD_LOG_FORMAT=json taskset -c 0 "${ROUTER_BIN:-$bin/pd-router}" --model "$model" --http-listen "127.0.0.1:$port" \
         --grpc-listen 127.0.0.1:0 --drain-delay-ms 0 "${args[@]}" >"$out/logs/$name-router.log" 2>&1 &
     router_pid=$!
     pids+=("$router_pid")

@@ -46,7 +46,17 @@ with open("/proc/cpuinfo") as f:
             cpu = line.split(":", 1)[1].strip()
             break
 print("# Fleet runs: the real router against simulated workers\n")
-print(f"Command: `bench/fleet.sh`; machine: {cpu}, {os.cpu_count()} cores ({platform.machine()}).")
+machines = {}
+for part in ["profile", "validate", "scale", "goodput", "loss"]:
+    path = f"{out}/runs/{part}.machine"
+    if os.path.exists(path):
+        with open(path) as f:
+            machines.setdefault(f.read().strip(), []).append(part)
+if len(machines) > 1:
+    where = "; ".join(f"{', '.join(parts)} on {m}" for m, parts in machines.items())
+    print(f"Command: `bench/fleet.sh`; the parts last ran on different machines: {where} ({platform.machine()}).")
+else:
+    print(f"Command: `bench/fleet.sh`; machine: {cpu}, {os.cpu_count()} cores ({platform.machine()}).")
 print("Router on core 0; simulated workers and the load generator on core 1. Every run's pd-bench")
 print("report is in `runs/`, process logs in `logs/`, the scenarios in `scenarios/`.\n")
 
@@ -95,7 +105,9 @@ if os.path.exists(f"{out}/runs/scale-cpu.txt"):
             kv = dict(x.split("=") for x in line.split())
             scale_cpu[int(kv["workers"])] = kv
 if scale_cpu:
-    print("## 3. Scale: the router with 8, 32 and 128 simulated workers (`cost-fast.json`)\n")
+    sizes = sorted(scale_cpu)
+    named = ", ".join(str(n) for n in sizes[:-1]) + (" and " if len(sizes) > 1 else "") + str(sizes[-1])
+    print(f"## 3. Scale: the router with {named} simulated workers (`cost-fast.json`)\n")
     print("Open loop at 100 req/s for 20 s (`scenarios/scale.txt`), 32-64 prompt tokens, 16 output tokens; a")
     print("simulated prefill step takes 1 ms and a decode step 5 ms, so the client's TTFT is the router's path")
     print("(HTTP in, decode reservation, prefill call, KV header and commit between the simulated workers,")
