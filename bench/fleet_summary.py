@@ -112,7 +112,7 @@ if scale_cpu:
     print("simulated prefill step takes 1 ms and a decode step 5 ms, so the client's TTFT is the router's path")
     print("(HTTP in, decode reservation, prefill call, KV header and commit between the simulated workers,")
     print("first token out) plus 1 ms. Router CPU per request is its CPU time during the run / requests; idle")
-    print("CPU is its background work (polling every worker's Load every 100 ms).\n")
+    print("CPU is its background work (polling every worker's Load every 100 ms, or less often with more than 200 workers: `--max-load-calls-per-s`).\n")
     print("| workers | requests | errors | client TTFT p50 / p99 ms | ITL p50 / p99 ms | router CPU ms per request | router CPU idle |")
     print("|---|---|---|---|---|---|---|")
     for n in sorted(scale_cpu):

@@ -181,7 +181,7 @@ async fn queue(
         Err(e) => Err(e),
     };
     match &granted {
-        Ok(g) => span.set("pd.queue.waited_ms", g.waited.as_secs_f64() * 1e3),
+        Ok(g) => span.set("pd.queue.waited_ms", g.placement.waited.as_secs_f64() * 1e3),
         Err(e) => span.error(e.to_string()),
     }
     span.end();
@@ -238,7 +238,7 @@ async fn open_leg(
     part: Part,
 ) -> Result<Leg, OpenFailed> {
     let metrics = record.metrics().clone();
-    record.router_queue_ms.get_or_insert(grant.waited.as_secs_f64() * 1e3);
+    record.router_queue_ms.get_or_insert(grant.placement.waited.as_secs_f64() * 1e3);
     let mut chosen = route(&origin.scheduler.pools, grant, &metrics, record)?;
     let opening = Instant::now();
     let opened = open_decode(&origin.scheduler.pools, &mut chosen, req, record, &part.transfer).await?;

@@ -11,7 +11,7 @@ use tonic::transport::Channel;
 
 use crate::error::RouterError;
 use crate::record::RequestRecord;
-use crate::schedule::{Grant, Ticket};
+use crate::schedule::{Grant, Placement, Ticket};
 use crate::workers::{Picked, Pools};
 
 /// Where one request runs, and the capacity it holds there.
@@ -35,7 +35,8 @@ pub fn route(
     record: &mut RequestRecord,
 ) -> Result<Route, RouterError> {
     let span = pd_telemetry::StageSpan::start("router.route", record.span().context());
-    let Grant { decode, prefill, place, waited, prefill_wait, decode_cached, prefill_cached, ticket } = grant;
+    let Grant { placement, ticket } = grant;
+    let Placement { decode, prefill, place, waited, prefill_wait, decode_cached, prefill_cached, .. } = placement;
     let wait_ms = prefill_wait.map_or(-1.0, ms);
     span.set("pd.route.where", place.where_label());
     span.set("pd.route.reason", place.reason());

@@ -30,17 +30,20 @@ use tokio::sync::oneshot;
 use crate::classes::{Class, Classes};
 use crate::error::RouterError;
 use crate::workers::Pools;
-use policy::{LocalRule, Place};
+use policy::LocalRule;
 pub use prefixes::Prompt;
-use state::{Placement, State, STALL_FACTOR};
+pub use state::Placement;
+use state::{State, STALL_FACTOR};
 
 pub use refresh::spawn_refresh;
 
 /// Scheduler settings (router flags).
 #[derive(Debug, Clone)]
 pub struct ScheduleConfig {
-    /// How often every worker's load is read.
+    /// How often every worker's load is read ...
     pub refresh: Duration,
+    /// ... with at most this many `Load` calls per second (`refresh::round_interval`).
+    pub max_load_calls_per_s: u32,
     /// Queue-aware conditional disaggregation.
     pub local: LocalRule,
     /// Prefill tokens/s assumed for a worker that has not measured its own yet.
@@ -66,6 +69,7 @@ impl Default for ScheduleConfig {
     fn default() -> Self {
         ScheduleConfig {
             refresh: Duration::from_millis(100),
+            max_load_calls_per_s: 2000,
             local: LocalRule {
                 max_tokens: 0,
                 max_ratio: 4.0,
@@ -82,20 +86,11 @@ impl Default for ScheduleConfig {
     }
 }
 
-/// What a dispatched request holds: its workers, and the capacity it takes until released.
+/// What a dispatched request holds: where it goes (`Placement`), and the capacity it takes
+/// until released.
 #[derive(Debug)]
 pub struct Grant {
-    pub decode: String,
-    /// None: prefilled on the decode worker.
-    pub prefill: Option<String>,
-    pub place: Place,
-    /// Time spent in the router's queue.
-    pub waited: Duration,
-    /// The chosen prefill worker's estimated wait at dispatch (None without a pool).
-    pub prefill_wait: Option<Duration>,
-    /// Prompt tokens the chosen workers are expected to hold in their prefix caches.
-    pub decode_cached: usize,
-    pub prefill_cached: usize,
+    pub placement: Placement,
     pub ticket: Ticket,
 }
 
@@ -198,17 +193,8 @@ impl Scheduler {
         self.count_queued(state);
     }
 
-    fn grant(self: &Arc<Self>, p: Placement) -> Grant {
-        Grant {
-            ticket: Ticket { scheduler: Some(self.clone()), seq: p.seq },
-            decode: p.decode,
-            prefill: p.prefill,
-            place: p.place,
-            waited: p.waited,
-            prefill_wait: p.prefill_wait,
-            decode_cached: p.decode_cached,
-            prefill_cached: p.prefill_cached,
-        }
+    fn grant(self: &Arc<Self>, placement: Placement) -> Grant {
+        Grant { ticket: Ticket { scheduler: Some(self.clone()), seq: placement.seq }, placement }
     }
 
     /// The queue-length gauges.
@@ -289,7 +275,7 @@ impl Pending {
                     .metrics
                     .queue_time
                     .with_label_values(&[self.class.name.as_str()])
-                    .observe(grant.waited.as_secs_f64());
+                    .observe(grant.placement.waited.as_secs_f64());
                 Ok(grant)
             }
             Ok(Err(_)) => Err(RouterError::NoWorker("decode")),
