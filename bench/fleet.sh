@@ -12,7 +12,11 @@
 #                prefilled in their batches) simulated CPU workers, same traffic and SLOs, and
 #                8 workers split as `pd-bench plan` sizes the pools for that load test;
 #   5. loss:     64 + 64 simulated CPU workers, one decode worker lost mid-run; then
-#                `pd-bench plan` on that load test.
+#                `pd-bench plan` on that load test;
+#   6. virtual:  the same traffic and fleets in virtual time (`pd-bench simulate`: the real
+#                scheduler and planners, no router process), 20 replicas each, compared with
+#                the real-time runs above; each plan's own traffic replayed on the planned
+#                fleet; one hour of 125x the goodput traffic on 500 + 500 workers.
 # Router on core 0; simulated workers and the load generator on core 1 (the real cluster of
 # part 2 as up.sh pins it, load generator on core 0).
 #   bench/fleet.sh                 (writes bench/results/fleet/)
@@ -27,7 +31,7 @@ bin=target/release
 port=18280
 scripts/fetch-model.sh >/dev/null
 cargo build --release --quiet --workspace --bins --features pd-kv-transfer/ucx
-parts="${PARTS:-profile validate scale goodput loss}"
+parts="${PARTS:-profile validate scale goodput loss virtual}"
 has() { [[ " $parts " == *" $1 "* ]] && note_machine "$1"; }
 [[ -z "${PARTS:-}" ]] && rm -rf "$out/runs" "$out/logs"
 mkdir -p "$out/runs" "$out/logs" "$out/scenarios"
@@ -213,9 +217,43 @@ if has loss; then
         --scale-out-s 30 --out "$out/plan-loss" >/dev/null
 fi
 
+# 6. virtual time: the runs above again in `pd-bench simulate`, and the plans checked
+cat >"$out/scenarios/hour.txt" <<EOF
+# One hour of the goodput traffic x125, for 500 + 500 workers.
+duration=3600 max_requests=3000000 seed=71
+class interactive rate=750 input=32..96 output=64..128 ttft_p95_ms=1500 itl_p95_ms=100
+class batch rate=37.5 input=1500..2000 output=64 ttft_p95_ms=600000 itl_p95_ms=1000
+EOF
+virtual() { # NAME SCENARIO COST PREFILL DECODE [ARGS...]
+    taskset -c 1 "$bin/pd-bench" simulate --scenario "$2" --cost "$3" --prefill "$4" --decode "$5" \
+        --label "$1" --out "$out/runs/$1" "${@:6}" >/dev/null
+}
+serving() { # PLAN_DIR POOL: the plan's serving replicas of a pool
+    python3 -c "import json; print(json.load(open('$1/plan.json'))['$2']['serving'])"
+}
+if has virtual; then
+    echo "== virtual time" >&2
+    virtual virtual-validate "$out/scenarios/validate.txt" "$out/cost-cpu.json" 1 1 --replicas 20
+    for n in 8 128; do
+        virtual "virtual-scale-$n" "$out/scenarios/scale.txt" "$out/cost-fast.json" $((n / 2)) $((n / 2)) --replicas 20
+    done
+    virtual virtual-goodput-disagg "$out/scenarios/goodput.txt" "$out/cost-cpu.json" 4 4 --replicas 20
+    np=$(python3 -c "import json; p = json.load(open('$out/plan-goodput/plan.json')); n, d = p['prefill']['serving'], p['decode']['serving']; print(min(7, max(1, round(8 * n / (n + d)))))")
+    virtual virtual-goodput-planned "$out/scenarios/goodput.txt" "$out/cost-cpu.json" "$np" $((8 - np)) --replicas 20
+    virtual virtual-goodput-colocated "$out/scenarios/goodput.txt" "$out/cost-cpu.json" 0 8 --replicas 20
+    # Each plan's own traffic on the fleet it plans (serving replicas, no spare).
+    virtual plan-check-goodput "$out/scenarios/goodput.txt" "$out/cost-cpu.json" \
+        "$(serving "$out/plan-goodput" prefill)" "$(serving "$out/plan-goodput" decode)" --replicas 20
+    virtual plan-check-loss "$out/scenarios/loss.txt" "$out/cost-cpu.json" \
+        "$(serving "$out/plan-loss" prefill)" "$(serving "$out/plan-loss" decode)" --replicas 20
+    # Speed: an hour of traffic on 1,000 workers (only the tally kept).
+    virtual virtual-hour "$out/scenarios/hour.txt" "$out/cost-cpu.json" 500 500 --summary-only
+    python3 bench/fleet_virtual.py "$out" >"$out/virtual.md"
+fi
+
 # The big raw files of the router-overhead and loss runs stay out of the repository (their
 # summaries and plans are kept; goodput-disagg/requests.json is the committed load test).
 rm -f "$out"/runs/scale-*/requests.json "$out"/runs/scale-*/timeline.svg "$out"/runs/loss/requests.json \
-    "$out"/runs/loss/timeline.svg
+    "$out"/runs/loss/timeline.svg "$out"/runs/virtual-*/requests.json "$out"/runs/plan-check-*/requests.json
 python3 bench/fleet_summary.py "$out" >"$out/README.md"
 cat "$out/README.md"

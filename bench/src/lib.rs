@@ -8,3 +8,4 @@
 pub mod loadgen;
 pub mod plan;
 pub mod profile;
+pub mod simulate;

@@ -206,7 +206,7 @@ impl WorkerCost {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     pub(crate) fn sample() -> WorkerCost {

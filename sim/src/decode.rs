@@ -245,38 +245,36 @@ impl SimDecode {
     /// The step loop: one step over the first `max_batch` sequences, sleeping what it costs.
     async fn batch_loop(self) {
         let max_batch = self.cost.worker.max_batch as usize;
+        let mut clock = crate::StepClock::default();
         loop {
             let step = {
                 let s = self.lock();
                 if s.running.is_empty() {
                     None
                 } else {
-                    let batch: Vec<&Seq> = s.running.iter().take(max_batch).collect();
-                    let rows: Vec<Row> = batch
+                    let rows: Vec<StepRow> = s
+                        .running
                         .iter()
-                        .map(|q| if q.prompt_left > 0 { Row::Prompt { left: q.prompt_left } } else { Row::Decode })
+                        .take(max_batch)
+                        .map(|q| StepRow {
+                            prompt: q.prompt,
+                            prompt_left: q.prompt_left,
+                            generated: q.generated as usize,
+                        })
                         .collect();
-                    let takes = plan(POLICY, &rows);
-                    let (mut decoding, mut context, mut chunks) = (0, 0, Vec::new());
-                    for (q, &take) in batch.iter().zip(&takes) {
-                        if q.prompt_left > 0 {
-                            if take > 0 {
-                                chunks.push((take, q.prompt - q.prompt_left));
-                            }
-                        } else {
-                            decoding += 1;
-                            context += q.prompt + q.generated as usize;
-                        }
-                    }
-                    Some((self.cost.decode_step_ms(decoding, context, &chunks), takes))
+                    let mut takes = Vec::with_capacity(rows.len());
+                    let ms = plan_step(&self.cost, &rows, &mut takes);
+                    Some((ms, takes))
                 }
             };
             let Some((ms, takes)) = step else {
                 self.lock().step_ms = 0.0;
+                clock.idle();
                 self.wake.notified().await;
                 continue;
             };
-            tokio::time::sleep(Duration::from_secs_f64(ms / 1e3)).await;
+            let start = clock.start();
+            tokio::time::sleep_until(clock.end(start, Duration::from_secs_f64(ms / 1e3)).into()).await;
             self.apply_step(ms, &takes);
         }
     }
@@ -286,7 +284,7 @@ impl SimDecode {
     /// gets a token, finished and abandoned sequences free their blocks.
     fn apply_step(&self, ms: f64, takes: &[usize]) {
         let mut s = self.lock();
-        s.step_ms = if s.step_ms == 0.0 { ms } else { 0.8 * s.step_ms + 0.2 * ms };
+        s.step_ms = smoothed(s.step_ms, ms);
         let mut freed = 0;
         let mut keep = Vec::with_capacity(s.running.len());
         for (i, mut q) in std::mem::take(&mut s.running).into_iter().enumerate() {
@@ -304,6 +302,76 @@ impl SimDecode {
         }
         s.running = keep;
         s.free_blocks += freed;
+    }
+}
+
+/// What a sequence in a decode step is: its prompt's length, the prompt tokens still to
+/// compute here (prefill_here), the tokens generated so far.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StepRow {
+    pub prompt: usize,
+    pub prompt_left: usize,
+    pub generated: usize,
+}
+
+/// One decode step over `rows` (the first `max_batch` sequences): what the cost model says it
+/// lasts (ms); `takes` gets the tokens each row runs in it as the real worker's planner gives
+/// them (a prompt chunk, or one token). A batch of decoding rows only (the common case) is
+/// costed without building the planner's rows.
+pub(crate) fn plan_step(cost: &WorkerCost, rows: &[StepRow], takes: &mut Vec<usize>) -> f64 {
+    takes.clear();
+    if rows.iter().all(|q| q.prompt_left == 0) {
+        takes.resize(rows.len(), 1);
+        let context = rows.iter().map(|q| q.prompt + q.generated).sum();
+        return cost.decode_step_ms(rows.len(), context, &[]);
+    }
+    let kinds: Vec<Row> = rows
+        .iter()
+        .map(|q| if q.prompt_left > 0 { Row::Prompt { left: q.prompt_left } } else { Row::Decode })
+        .collect();
+    takes.extend(plan(POLICY, &kinds));
+    let (mut decoding, mut context, mut chunks) = (0, 0, Vec::new());
+    for (q, &take) in rows.iter().zip(takes.iter()) {
+        if q.prompt_left > 0 {
+            if take > 0 {
+                chunks.push((take, q.prompt - q.prompt_left));
+            }
+        } else {
+            decoding += 1;
+            context += q.prompt + q.generated;
+        }
+    }
+    cost.decode_step_ms(decoding, context, &chunks)
+}
+
+/// The step time a decode worker reports after a step of `ms` (0 before: idle).
+pub(crate) fn smoothed(step_ms: f64, ms: f64) -> f64 {
+    if step_ms == 0.0 {
+        ms
+    } else {
+        0.8 * step_ms + 0.2 * ms
+    }
+}
+
+/// A decode worker's `Load` answer.
+pub(crate) fn load_of(
+    cost: &WorkerCost,
+    free_blocks: usize,
+    running: usize,
+    pending: usize,
+    step_ms: f64,
+) -> pb::DecodeLoad {
+    let total = cost.worker.kv_blocks;
+    pb::DecodeLoad {
+        free_blocks: free_blocks as u32,
+        total_blocks: total,
+        running_sequences: running as u32,
+        waiting_transfers: pending as u32,
+        kv_cache_usage: 1.0 - free_blocks as f64 / f64::from(total.max(1)),
+        block_size: cost.worker.block_size,
+        max_batch: cost.worker.max_batch,
+        step_ms,
+        cache: None,
     }
 }
 
@@ -381,18 +449,7 @@ impl pb::decode_worker_server::DecodeWorker for SimDecode {
     async fn load(&self, _: Request<pb::LoadRequest>) -> Result<Response<pb::DecodeLoad>, Status> {
         self.check_alive()?;
         let s = self.lock();
-        let total = self.cost.worker.kv_blocks;
-        Ok(Response::new(pb::DecodeLoad {
-            free_blocks: s.free_blocks as u32,
-            total_blocks: total,
-            running_sequences: s.running.len() as u32,
-            waiting_transfers: s.pending.len() as u32,
-            kv_cache_usage: 1.0 - s.free_blocks as f64 / f64::from(total.max(1)),
-            block_size: self.cost.worker.block_size,
-            max_batch: self.cost.worker.max_batch,
-            step_ms: s.step_ms,
-            cache: None,
-        }))
+        Ok(Response::new(load_of(&self.cost, s.free_blocks, s.running.len(), s.pending.len(), s.step_ms)))
     }
 }
 

@@ -44,6 +44,53 @@ struct Timings {
     prefill_ms: f64,
 }
 
+/// One planned prefill step: (job id, tokens) of each prompt in it, its chunks as the cost
+/// model takes them ((tokens, tokens before)), and whether a short prompt's arrival stops it.
+#[derive(Debug)]
+pub(crate) struct Planned {
+    pub chosen: Vec<(u64, usize)>,
+    pub chunks: Vec<(usize, usize)>,
+    pub preemptible: bool,
+}
+
+/// The real prefill worker's plan for the next step over `jobs` ((id, prompt length, tokens
+/// done, time since its last chunk) each), `since_short` after the last short prompt arrived.
+pub(crate) fn plan_step(
+    step: &StepConfig,
+    planner: &CostModel,
+    jobs: impl Iterator<Item = (u64, usize, usize, Duration)>,
+    since_short: Option<Duration>,
+) -> Planned {
+    let jobs: Vec<(u64, Candidate)> =
+        jobs.map(|(id, len, done, waited)| (id, Candidate { remaining: len - done, done, len, waited })).collect();
+    let cands: Vec<Candidate> = jobs.iter().map(|(_, c)| *c).collect();
+    let picked = plan(&cands, &step.for_step(since_short), planner);
+    Planned {
+        chunks: picked.iter().map(|&(i, t)| (t, cands[i].done)).collect(),
+        chosen: picked.iter().map(|&(i, t)| (jobs[i].0, t)).collect(),
+        preemptible: step.preemptible(picked.iter().map(|&(i, t)| (cands[i].len, t, cands[i].done))),
+    }
+}
+
+/// A prefill worker's `Load` answer: `jobs` as (prompt length, tokens done) each; `rate`: its
+/// planning model's short-prompt rate.
+pub(crate) fn load_of(step: &StepConfig, jobs: impl Iterator<Item = (usize, usize)>, rate: f64) -> pb::PrefillLoad {
+    let (mut waiting, mut running, mut all) = (0, 0, 0);
+    for (len, done) in jobs {
+        waiting += len - done;
+        running += usize::from(done > 0);
+        all += 1;
+    }
+    pb::PrefillLoad {
+        waiting_prefill_tokens: waiting as u64,
+        running_prefills: running as u32,
+        queued_prefills: (all - running) as u32,
+        prefill_tokens_per_s: rate,
+        max_partial_prefills: step.max_prompts as u32,
+        cache: None,
+    }
+}
+
 #[derive(Default)]
 struct State {
     /// When the last short prompt arrived (`StepConfig::for_step`).
@@ -104,45 +151,33 @@ impl SimPrefill {
 
     async fn step_loop(self) {
         let mut planner = CostModel::default();
+        let mut clock = crate::StepClock::default();
         loop {
-            let (chosen, chunks, preemptible) = {
+            let Planned { chosen, chunks, preemptible } = {
                 let s = self.lock();
                 let now = Instant::now();
-                let cands: Vec<Candidate> = s
-                    .jobs
-                    .iter()
-                    .map(|j| Candidate {
-                        remaining: j.len - j.done,
-                        done: j.done,
-                        len: j.len,
-                        waited: now.duration_since(j.last_turn),
-                    })
-                    .collect();
-                let step = self.step.for_step(s.last_short.map(|t| now.duration_since(t)));
-                let picked = plan(&cands, &step, &planner);
-                let chunks: Vec<(usize, usize)> = picked.iter().map(|&(i, t)| (t, cands[i].done)).collect();
-                let chosen: Vec<(u64, usize)> = picked.iter().map(|&(i, t)| (s.jobs[i].id, t)).collect();
-                let preemptible = self.step.preemptible(picked.iter().map(|&(i, t)| (cands[i].len, t, cands[i].done)));
-                (chosen, chunks, preemptible)
+                let jobs = s.jobs.iter().map(|j| (j.id, j.len, j.done, now.duration_since(j.last_turn)));
+                plan_step(&self.step, &planner, jobs, s.last_short.map(|t| now.duration_since(t)))
             };
             if chosen.is_empty() {
+                clock.idle();
                 self.wake.notified().await;
                 continue;
             }
-            let started = Instant::now();
+            let started = clock.start();
             let took = Duration::from_secs_f64(self.cost.prefill_step_ms(&chunks) / 1e3);
+            let end = clock.end(started, took);
             if preemptible {
                 let stopped = tokio::select! {
-                    _ = tokio::time::sleep(took.mul_f64(STOPPABLE_SHARE)) => false,
+                    _ = tokio::time::sleep_until((started + took.mul_f64(STOPPABLE_SHARE)).into()) => false,
                     _ = self.short_arrived.notified() => true,
                 };
                 if stopped {
+                    clock.idle();
                     continue; // nothing advanced; the planner learns nothing from a cut step
                 }
-                tokio::time::sleep(took.saturating_sub(started.elapsed())).await;
-            } else {
-                tokio::time::sleep(took).await;
             }
+            tokio::time::sleep_until(end.into()).await;
             planner.observe(&chunks, took);
             self.rate.store(short_prompt_rate(&planner).to_bits(), Ordering::Relaxed);
             self.apply_step(&chosen, started);
@@ -274,15 +309,7 @@ impl pb::prefill_worker_server::PrefillWorker for SimPrefill {
     async fn load(&self, _: Request<pb::LoadRequest>) -> Result<Response<pb::PrefillLoad>, Status> {
         self.check_alive()?;
         let s = self.lock();
-        let waiting: usize = s.jobs.iter().map(|j| j.len - j.done).sum();
-        let running = s.jobs.iter().filter(|j| j.done > 0).count();
-        Ok(Response::new(pb::PrefillLoad {
-            waiting_prefill_tokens: waiting as u64,
-            running_prefills: running as u32,
-            queued_prefills: (s.jobs.len() - running) as u32,
-            prefill_tokens_per_s: f64::from_bits(self.rate.load(Ordering::Relaxed)),
-            max_partial_prefills: self.step.max_prompts as u32,
-            cache: None,
-        }))
+        let rate = f64::from_bits(self.rate.load(Ordering::Relaxed));
+        Ok(Response::new(load_of(&self.step, s.jobs.iter().map(|j| (j.len, j.done)), rate)))
     }
 }

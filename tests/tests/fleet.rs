@@ -1,8 +1,9 @@
 //! The fleet tools end to end with the real binaries: `pd-bench profile` measures a real
 //! prefill + decode pair and fits a cost model; `pd-sim-worker` serves simulated workers with
 //! it; the real `pd-router` routes a pd-bench run over them; `pd-bench plan` turns that run
-//! into a capacity plan. And a simulated decode worker lost mid-stream costs no request: the
-//! router migrates its streams.
+//! into a capacity plan; `pd-bench simulate` runs the same traffic in virtual time.
+//! And a simulated decode worker lost mid-stream costs no request: the router migrates its
+//! streams.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -148,6 +149,26 @@ async fn profile_simulate_route_and_plan() {
     assert_eq!(classes, ["batch", "interactive"]);
     assert!(std::fs::read_to_string(plan.join("plan.md")).expect("plan.md").contains("| prefill |"));
     assert!(plan.join("rates.svg").is_file());
+
+    // 4. The same traffic and fleet in virtual time: the real scheduler, no router process.
+    let virt = dir.path().join("virtual");
+    let args = ["simulate", "--scenario", scenario, "--cost", cost.to_str().expect("path"), "--prefill", "2"];
+    run(
+        "pd-bench",
+        &[&args[..], &["--decode", "2", "--replicas", "3", "--out", virt.to_str().expect("path")]].concat(),
+    );
+    let simulated = read_json(&virt.join("requests.json"));
+    let simulated = simulated.as_array().expect("requests");
+    let batch = |rs: &[Value]| rs.iter().filter(|r| r["class"] == "batch").count();
+    assert_eq!(batch(simulated), batch(requests), "the periodic class sends what it sent in real time");
+    for r in simulated {
+        assert!(r["error"].is_null(), "a request in virtual time failed: {r}");
+        assert_eq!(r["token_ms"].as_array().map(|t| t.len() as u64), r["requested_output_tokens"].as_u64(), "{r}");
+    }
+    let v = read_json(&virt.join("virtual.json"));
+    assert_eq!(v["totals"]["held_blocks"], json!(0), "{v}");
+    assert_eq!(v["replicas"].as_array().map(Vec::len), Some(3), "{v}");
+    assert!(std::fs::read_to_string(virt.join("report.md")).expect("report.md").contains("| interactive"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,6 +6,7 @@
 //!   pd-bench hostile --url URL --out FILE [--idle 500 --slow 20 --duration-s 60]
 //!   pd-bench profile --prefill ADDR --decode ADDR --out COST.json
 //!   pd-bench roofline --hardware h200 --model llama-8b --out COST.json
+//!   pd-bench simulate --scenario FILE --cost COST.json --prefill N --decode M --out DIR
 //!   pd-bench plan --cost COST.json (--requests RUN/requests.json | --traffic FILE) --out DIR
 //!
 //! Prompts are built to exact token counts with the model's tokenizer (`--model`).
@@ -192,6 +193,44 @@ enum Command {
         #[command(flatten)]
         step: pd_prefill::step::StepArgs,
     },
+    /// Runs a scenario in virtual time: the real scheduler and planners against simulated
+    /// workers with the cost model's timing, in this process (no server, no socket).
+    Simulate {
+        #[arg(long)]
+        scenario: PathBuf,
+        /// The workers' cost model (`profile` or `roofline`).
+        #[arg(long)]
+        cost: PathBuf,
+        #[arg(long, default_value_t = 1)]
+        prefill: usize,
+        #[arg(long, default_value_t = 1)]
+        decode: usize,
+        /// Output folder (summary.json, requests.json, report.md, *.svg, virtual.json).
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long)]
+        label: Option<String>,
+        /// One-way time of a message between client, router and workers (milliseconds).
+        #[arg(long, default_value_t = 0.2)]
+        hop_ms: f64,
+        /// The router's traffic classes (its --classes file; default: the built-in ones).
+        #[arg(long)]
+        classes: Option<PathBuf>,
+        /// Override the scenario's duration (seconds).
+        #[arg(long)]
+        duration_s: Option<f64>,
+        /// Write only the summary (no requests.json, plots or per-request samples kept):
+        /// for long runs with millions of requests.
+        #[arg(long)]
+        summary_only: bool,
+        /// Runs again with message times jittered around --hop-ms (this many runs in all) and
+        /// reports how far each percentile spreads over them.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
+        replicas: u64,
+        /// The prefill workers' step policy (their flags).
+        #[command(flatten)]
+        step: pd_prefill::step::StepArgs,
+    },
     /// A cost model from a roofline: named hardware (h100, h200) and model (llama-8b,
     /// llama-70b, smollm2-135m), with the efficiencies assumed.
     Roofline {
@@ -339,6 +378,45 @@ async fn main() -> anyhow::Result<()> {
             };
             let profile = pd_bench::profile::run(&prefill, &decode, &plan).await?;
             write_json(&out, &profile)?;
+        }
+        Command::Simulate {
+            scenario,
+            cost,
+            prefill,
+            decode,
+            out,
+            label,
+            hop_ms,
+            classes,
+            duration_s,
+            summary_only,
+            replicas,
+            step,
+        } => {
+            let text = std::fs::read_to_string(&scenario).with_context(|| format!("reading {}", scenario.display()))?;
+            let mut parsed = Scenario::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", scenario.display()))?;
+            if let Some(d) = duration_s {
+                parsed.duration_s = d;
+            }
+            anyhow::ensure!(decode > 0, "--decode must be at least 1");
+            anyhow::ensure!(hop_ms.is_finite() && hop_ms >= 0.0, "--hop-ms must be a non-negative number");
+            let cost = pd_sim::cost::WorkerCost::load(&cost.to_string_lossy())?;
+            let config = pd_sim::vtime::Config {
+                cost: std::sync::Arc::new(cost),
+                step: step.config().map_err(anyhow::Error::msg)?,
+                prefill,
+                decode,
+                schedule: pd_sim::vtime::ScheduleConfig::default(),
+                classes: pd_sim::vtime::Classes::load(classes.as_deref())?,
+                hop: Duration::from_secs_f64(hop_ms / 1e3),
+                jitter: None,
+            };
+            let label = label
+                .unwrap_or_else(|| scenario.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
+            let run = pd_bench::simulate::simulate(&parsed, config, !summary_only, replicas as usize);
+            run.write(&label, &parsed, &out)?;
+            println!("{}", run.markdown(&label, &parsed));
+            println!("written to {}", out.display());
         }
         Command::Roofline { hardware, gpus, model, out, mfu, mbu, block_size, max_batch } => {
             let mut hw = pd_sim::roofline::hardware(&hardware, gpus)

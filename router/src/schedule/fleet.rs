@@ -13,6 +13,7 @@
 //! here, which re-file it; a worker is found by address through an index.
 
 mod holders;
+mod in_flight;
 mod workers;
 
 use std::cmp::Reverse;
@@ -25,6 +26,7 @@ use pd_proto::v1 as pb;
 use super::policy;
 use super::prefixes::Prompt;
 use holders::Holders;
+use in_flight::InFlight;
 pub use workers::{DecodeState, PrefillState, ITL_HEADROOM};
 
 /// A decode worker's place in its ordering: least loaded first, then most free blocks, then
@@ -50,6 +52,8 @@ pub struct Fleet {
     prefill_order: BTreeSet<PrefillKey>,
     /// Prefill workers with prompts in flight.
     prefill_busy: BTreeSet<usize>,
+    /// Their prompts' tokens in flight, for admission's sum (`in_flight`).
+    in_flight: InFlight,
     decode_holders: Holders,
     prefill_holders: Holders,
     /// The (seed, block size) pairs each pool hashes prompts with (one per model and block
@@ -88,6 +92,7 @@ impl Fleet {
             decode_order: BTreeSet::new(),
             prefill_order: BTreeSet::new(),
             prefill_busy: BTreeSet::new(),
+            in_flight: InFlight::default(),
             decode_holders: Holders::default(),
             prefill_holders: Holders::default(),
             decode_keys: Vec::new(),
@@ -186,6 +191,7 @@ impl Fleet {
         self.prefill_index = self.prefill.iter().enumerate().map(|(i, p)| (p.addr.clone(), i)).collect();
         self.prefill_order.clear();
         self.prefill_busy.clear();
+        self.in_flight.clear();
         self.prefill_holders.clear();
         for slot in 0..self.prefill.len() {
             self.prefill[slot].filed = None;
@@ -236,6 +242,7 @@ impl Fleet {
         } else {
             self.prefill_busy.remove(&slot);
         }
+        self.in_flight.set(slot, p.in_flight_tokens());
     }
 
     /// Changes decode worker `addr` and re-files it (this router's bookings; tests).
@@ -459,9 +466,10 @@ impl Fleet {
         (wait, if self.prefill_rate > 0.0 { self.prefill_rate } else { self.prior })
     }
 
-    /// Tokens still to prefill of every prompt in flight in the pool (`in_flight_tokens`).
-    pub fn prefill_in_flight(&self) -> Vec<usize> {
-        self.prefill_busy.iter().flat_map(|&s| self.prefill[s].in_flight_tokens()).collect()
+    /// Tokens still to prefill of every prompt in flight in the pool (`in_flight_tokens`),
+    /// each counted at most `cap`: O(log) whatever the pool's size.
+    pub fn prefill_in_flight(&self, cap: usize) -> u64 {
+        self.in_flight.capped_sum(cap)
     }
 
     /// The prefill worker with the shortest estimated wait, not in `exclude`.

@@ -35,7 +35,7 @@ pub use prefixes::Prompt;
 pub use state::Placement;
 use state::{State, STALL_FACTOR};
 
-pub use refresh::spawn_refresh;
+pub use refresh::{round_interval, spawn_refresh};
 
 /// Scheduler settings (router flags).
 #[derive(Debug, Clone)]

@@ -53,10 +53,11 @@ pub fn is_long(own: Duration, slo: Duration) -> bool {
 /// those waiting at the same or a higher priority, and what the prefill pool holds. Prefill
 /// steps take prompts shortest remaining first and several at a time, so another prompt
 /// (queued or in flight) delays this one by at most as many tokens as this one has.
-pub fn tokens_ahead<T>(waiting: &[Waiting<T>], priority: i32, in_flight: &[usize], own: usize) -> u64 {
+/// `in_flight(cap)`: the pool's prompts in flight, each counted at most `cap` tokens.
+pub fn tokens_ahead<T>(waiting: &[Waiting<T>], priority: i32, in_flight: impl FnOnce(usize) -> u64, own: usize) -> u64 {
     let cap = own.max(1);
     let queued: u64 = waiting.iter().filter(|w| w.priority >= priority).map(|w| w.work.min(cap) as u64).sum();
-    let running: u64 = in_flight.iter().map(|&t| t.min(cap) as u64).sum();
+    let running = in_flight(cap);
     queued + running
 }
 

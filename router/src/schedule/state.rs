@@ -135,7 +135,6 @@ impl<R> State<R> {
         // What must be computed: a cached prefix costs no prefill time.
         let work = tokens - self.fleet.expected_cached(&prompt, now).min(tokens);
         let (_, rate) = self.fleet.prefill_pool();
-        let in_flight = self.fleet.prefill_in_flight();
         // A long prompt is prefilled a few at a time (`dispatch`); one that waits for its
         // turn holds back only other long ones, not this request if it is short.
         let own = policy::estimated_wait(0, work, rate);
@@ -148,7 +147,7 @@ impl<R> State<R> {
         let need = self.fleet.decode().first().map_or(0, |d| d.blocks_for(tokens + max_tokens));
         let top = priority >= self.top_priority;
         let view = policy::QueueView {
-            tokens_ahead: policy::tokens_ahead(&self.waiting, priority, &in_flight, work),
+            tokens_ahead: policy::tokens_ahead(&self.waiting, priority, |cap| self.fleet.prefill_in_flight(cap), work),
             tokens_per_s: rate,
             queued_ahead,
             oldest_ahead,

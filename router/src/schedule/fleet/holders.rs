@@ -6,10 +6,12 @@
 
 use std::collections::HashMap;
 
+use crate::schedule::prefixes::BlockHashes;
+
 /// Block hash -> positions (in the pool's worker list) of the workers holding it.
 #[derive(Debug, Default, Clone)]
 pub struct Holders {
-    by_hash: HashMap<u64, Vec<u32>>,
+    by_hash: HashMap<u64, Vec<u32>, BlockHashes>,
 }
 
 impl Holders {

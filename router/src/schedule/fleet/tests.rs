@@ -71,7 +71,7 @@ fn prefill_slots_keep_one_for_the_top_priority_and_wait_uses_the_measured_rate()
     assert_eq!((p.addr.as_str(), wait), ("p", Duration::from_millis(512)));
     // Half of it computed, as the worker reports: half of it is still ahead.
     fleet.update_prefill("p", |p| p.load.waiting_prefill_tokens = 1024);
-    assert_eq!(fleet.prefill[fleet.prefill_index["p"]].in_flight_tokens(), vec![1024]);
+    assert_eq!(fleet.prefill[fleet.prefill_index["p"]].in_flight_tokens().collect::<Vec<_>>(), vec![1024]);
 }
 
 fn holding(prompt: &Prompt, blocks: usize) -> Option<pb::CacheEvents> {
@@ -176,6 +176,10 @@ fn assert_filed(fleet: &Fleet) {
     assert_eq!(fleet.prefill_order, prefill, "prefill ordering");
     let busy: BTreeSet<usize> = (0..fleet.prefill.len()).filter(|&i| fleet.prefill[i].has_in_flight()).collect();
     assert_eq!(fleet.prefill_busy, busy, "busy prefill workers");
+    for cap in [1, 64, 256, 4096] {
+        let plain: u64 = fleet.prefill.iter().flat_map(|p| p.in_flight_tokens()).map(|t| t.min(cap) as u64).sum();
+        assert_eq!(fleet.prefill_in_flight(cap), plain, "prompts in flight capped at {cap}");
+    }
     let mut held = Holders::default();
     for (i, d) in fleet.decode.iter().enumerate() {
         d.prefixes.for_each_hash(&mut |h| held.set(h, i, true));

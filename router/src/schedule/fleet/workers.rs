@@ -191,26 +191,24 @@ impl PrefillState {
 
     /// Tokens still to prefill of each prompt in flight: ours, scaled down to what the worker
     /// reports not yet computed (they are partly done), plus what other routers sent.
-    pub fn in_flight_tokens(&self) -> Vec<usize> {
+    pub fn in_flight_tokens(&self) -> impl Iterator<Item = usize> + '_ {
         let ours: usize = self.in_flight.iter().map(|(_, t)| t).sum();
         let reported = self.load.waiting_prefill_tokens as usize;
         // 0 reported while we have prompts there: the refresh predates them.
-        let mut v: Vec<usize> = if reported > 0 && reported < ours {
-            let scale = reported as f64 / ours as f64;
-            self.in_flight.iter().map(|(_, t)| (*t as f64 * scale).ceil() as usize).collect()
-        } else {
-            self.in_flight.iter().map(|(_, t)| *t).collect()
-        };
-        if reported > ours {
-            v.push(reported - ours);
-        }
-        v
+        let scale = (reported > 0 && reported < ours).then(|| reported as f64 / ours as f64);
+        let others = reported.checked_sub(ours).filter(|&r| r > 0);
+        self.in_flight.iter().map(move |(_, t)| scale.map_or(*t, |s| (*t as f64 * s).ceil() as usize)).chain(others)
     }
 
     /// The estimated wait for a new short prompt: its prompts in flight, each up to
     /// `step_budget` tokens (one step's worth: longer prompts run beside it), at its rate.
     pub fn wait(&self, prior: f64, step_budget: usize) -> Duration {
-        let ahead = policy::tokens_ahead::<()>(&[], 0, &self.in_flight_tokens(), step_budget);
+        let ahead = policy::tokens_ahead::<()>(
+            &[],
+            0,
+            |cap| self.in_flight_tokens().map(|t| t.min(cap) as u64).sum(),
+            step_budget,
+        );
         policy::estimated_wait(ahead, 0, self.rate(prior))
     }
 

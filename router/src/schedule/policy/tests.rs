@@ -65,8 +65,8 @@ fn tokens_ahead_skip_lower_priorities_and_count_others_up_to_the_own_prompt() {
     let q = vec![waiting(0, 0, 10, 2000), waiting(1, 10, 10, 50), waiting(2, 20, 10, 30)];
     // A 40-token interactive (10) request waits for the 40 + 30 of those queued at >= 10,
     // and for at most 40 tokens of each prompt in flight (shortest remaining runs first).
-    assert_eq!(tokens_ahead(&q, 10, &[2048, 20], 40), 70 + 40 + 20);
-    assert_eq!(tokens_ahead(&q, 0, &[], 5000), 2080);
+    assert_eq!(tokens_ahead(&q, 10, |cap| [2048usize, 20].iter().map(|&t| t.min(cap) as u64).sum(), 40), 70 + 40 + 20);
+    assert_eq!(tokens_ahead(&q, 0, |_| 0, 5000), 2080);
 }
 
 #[test]
