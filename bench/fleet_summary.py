@@ -188,3 +188,9 @@ if loss:
     migrated = log_count("loss-router.log", "migrat")
     print(f"\nRouter log lines about migration: {migrated}. The capacity plan of this load test (10 s windows, "
           "cost-cpu.json, scale-out 30 s) is `plan-loss/plan.md`.\n")
+
+if os.path.exists(f"{out}/virtual.md"):
+    print("## 6. Virtual time\n")
+    print("Every run above again in virtual time (`pd-bench simulate`: the router's own scheduler and the workers' "
+          "planners in one thread, no processes), compared run by run; the capacity plans replayed on the fleets "
+          "they size; an hour of traffic on 1,000 workers: `virtual.md`.\n")
