@@ -22,7 +22,8 @@ streams that router held). Scenarios, each under load:
                    /ready must answer 503 while it still runs; it drains and exits: no request fails
   roll-routers     the same for the routers
   scale-prefill    scale the prefill pool from 1 to 2 containers while serving: the new one is
-                   found through the pool's DNS name and serves prefills, no request fails
+                   found through the pool's DNS name and serves prefills (of prompts the old
+                   one has not cached, sent several at once), no request fails
   settled          no fault: after all of the above the cluster serves as at first
 
 Afterwards no decode worker holds a KV block or a sequence. Ends with `N passed, N failed`.
@@ -339,10 +340,27 @@ class Check:
         cluster.start(new, self.spec)
         cluster.wait_ready(new)
         self.pools["prefill"].append(new)
+        # By now the old worker caches every reference prompt, and the routers rightly send
+        # those there (nothing left to compute); what a new worker is for is prompts never
+        # seen, several at once, so that the old worker's queue sends work to the new one.
+        routers = [cluster.address(r) for r in self.pools["router"]]
+        fresh, n = [], 0
         deadline = time.monotonic() + 20
         while served() == 0 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return {"prefills by the new worker": int(served()), "require": {"the new worker serving": served() > 0}}
+            batch = [(routers[(n + i) % len(routers)], f"Count from {n + i} to {n + i + 40} in words, then name "
+                      f"{n % 7 + 3} animals of the sea and {i + 2} rivers.") for i in range(6)]
+            n += len(batch)
+            threads = [threading.Thread(target=lambda a: fresh.append(ask(*a)), args=(b,)) for b in batch]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(REQUEST_TIMEOUT + 5)
+        failed = [f"{kind}: {detail}" for kind, detail in fresh if kind != "ok"]
+        return {
+            "prefills by the new worker": int(served()),
+            "fresh prompts": len(fresh),
+            "require": {"the new worker serving": served() > 0, f"every fresh prompt answered {failed[:2]}": not failed},
+        }
 
 
 def main(chosen):

@@ -154,6 +154,7 @@ pub fn run<T: Traffic>(cfg: Config, traffic: &mut T) -> Totals {
         let next = e.events.peek().map(|Reverse((t, ..))| *t);
         let stall = e.stalls.first().copied().filter(|&(s, _)| next.is_none_or(|t| s < t));
         if let Some((t, id)) = stall {
+            e.stalls.remove(&(t, id));
             e.now = Duration::from_nanos(t);
             e.totals.events += 1;
             e.stall(id);
@@ -311,13 +312,19 @@ impl<T: Traffic> Engine<'_, T> {
         self.after(hop, Ev::Reserve(id));
     }
 
+    /// A queued request's stall time passed: it fails (503) if still waiting. One the queue
+    /// no longer holds (dropped when the last decode worker left) fails as the router's waiter
+    /// would see it, with no worker.
     fn stall(&mut self, id: u64) {
         let Some(live) = self.live.get(&id) else { return };
-        self.stalls.remove(&(live.stall_at, id));
-        if live.granted || !self.state.withdraw(live.seq, self.instant()) {
+        if live.granted {
             return;
         }
-        let e = RouterError::QueueStalled(format!("request {id} waited its stall time in the queue"));
+        let e = if self.state.withdraw(live.seq, self.instant()) {
+            RouterError::QueueStalled(format!("request {id} waited its stall time in the queue"))
+        } else {
+            RouterError::NoWorker("decode")
+        };
         self.fail(id, &e);
     }
 

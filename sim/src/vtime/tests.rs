@@ -148,3 +148,16 @@ fn without_a_prefill_pool_prompts_are_prefilled_in_the_decode_batch() {
     assert!((ms(o.tokens[0]) - first).abs() < 1e-6, "{:?} vs {first}", o.tokens);
     assert_eq!((o.tokens.len(), totals.prefill_steps), (3, 0));
 }
+
+#[test]
+fn a_request_no_worker_can_hold_ends_with_an_error_and_the_run_ends() {
+    // 100 blocks of 16 tokens: 2,000 tokens of prompt + output fit on no decode worker.
+    let cfg = config(sample(), StepArgs::default().config().expect("step"), 1, 1, 0);
+    let mut script =
+        Script { sends: vec![(Duration::ZERO, request(1, "interactive", 1000, 1000))], ..Script::default() };
+    let totals = run(cfg, &mut script);
+    let (o, _) = &script.outcomes[0];
+    assert!(o.error.is_some() && o.tokens.is_empty(), "{o:?}");
+    assert!(matches!(o.status, Some(429 | 503)), "{:?}", o.status);
+    assert_eq!((totals.requests, totals.held_blocks), (1, 0));
+}
