@@ -8,10 +8,27 @@ use std::collections::HashMap;
 
 use crate::schedule::prefixes::BlockHashes;
 
+/// The workers holding one hash: nearly always one (a prompt's blocks are routed to one
+/// worker of a pool), kept inline; more in a vector.
+#[derive(Debug, Clone)]
+enum Slots {
+    One([u32; 1]),
+    Many(Vec<u32>),
+}
+
+impl Slots {
+    fn as_slice(&self) -> &[u32] {
+        match self {
+            Slots::One(s) => s,
+            Slots::Many(v) => v,
+        }
+    }
+}
+
 /// Block hash -> positions (in the pool's worker list) of the workers holding it.
 #[derive(Debug, Default, Clone)]
 pub struct Holders {
-    by_hash: HashMap<u64, Vec<u32>, BlockHashes>,
+    by_hash: HashMap<u64, Slots, BlockHashes>,
 }
 
 impl Holders {
@@ -19,13 +36,21 @@ impl Holders {
     pub fn set(&mut self, hash: u64, slot: usize, held: bool) {
         let slot = slot as u32;
         if held {
-            let list = self.by_hash.entry(hash).or_default();
-            if !list.contains(&slot) {
-                list.push(slot);
+            let slots = self.by_hash.entry(hash).or_insert(Slots::One([slot]));
+            match slots {
+                Slots::One([s]) if *s != slot => *slots = Slots::Many(vec![*s, slot]),
+                Slots::Many(v) if !v.contains(&slot) => v.push(slot),
+                _ => {}
             }
-        } else if let Some(list) = self.by_hash.get_mut(&hash) {
-            list.retain(|s| *s != slot);
-            if list.is_empty() {
+        } else if let Some(slots) = self.by_hash.get_mut(&hash) {
+            let empty = match slots {
+                Slots::One([s]) => *s == slot,
+                Slots::Many(v) => {
+                    v.retain(|s| *s != slot);
+                    v.is_empty()
+                }
+            };
+            if empty {
                 self.by_hash.remove(&hash);
             }
         }
@@ -33,7 +58,7 @@ impl Holders {
 
     /// The workers holding `hash`.
     pub fn of(&self, hash: u64) -> &[u32] {
-        self.by_hash.get(&hash).map_or(&[], |v| v.as_slice())
+        self.by_hash.get(&hash).map_or(&[], Slots::as_slice)
     }
 
     pub fn clear(&mut self) {
@@ -69,5 +94,10 @@ mod tests {
         assert!(h.of(7).is_empty() && h.is_empty());
         h.set(9, 1, false);
         assert!(h.is_empty(), "a hash nobody held stays absent");
+        h.set(5, 1, true);
+        h.set(5, 3, false);
+        assert_eq!(h.of(5), &[1], "another worker letting go changes nothing");
+        h.set(5, 1, false);
+        assert!(h.is_empty());
     }
 }
