@@ -40,8 +40,8 @@ pub struct VDecode {
     pub pending: usize,
     pub running: Vec<DecodeSeq>,
     step_ms: f64,
-    /// The step under way: tokens each of the first rows runs.
-    stepping: Option<Vec<usize>>,
+    /// The step under way: its length (ms) and the tokens each of the first rows runs.
+    stepping: Option<(f64, Vec<usize>)>,
     /// Buffers kept from step to step (a run has millions of steps).
     rows: Vec<StepRow>,
     spare: Option<Vec<usize>>,
@@ -91,15 +91,16 @@ impl VDecode {
         }));
         let mut takes = self.spare.take().unwrap_or_default();
         let ms = decode::plan_step(cost, &self.rows, &mut takes);
-        self.stepping = Some(takes);
-        self.step_ms = decode::smoothed(self.step_ms, ms);
+        self.stepping = Some((ms, takes));
         Some(Duration::from_secs_f64(ms / 1e3))
     }
 
     /// The step ended: prompt chunks advance, every generating row gets a token, finished
     /// sequences free their blocks. Tokens go to `out`.
     pub fn end_step(&mut self, out: &mut Vec<StepOutcome>) {
-        let Some(takes) = self.stepping.take() else { return };
+        let Some((ms, takes)) = self.stepping.take() else { return };
+        // Reported after the step, as the real-time worker does.
+        self.step_ms = decode::smoothed(self.step_ms, ms);
         let mut freed = 0;
         let mut i = 0;
         self.running.retain_mut(|q| {
