@@ -24,4 +24,4 @@ cargo test --release --workspace --features "$features" "$@"
 # The suites that move KV between real processes, once more with every decode worker taking
 # KV over UCX (`--kv-transport ucx`; the tests that choose a transport keep theirs).
 PD_TEST_KV_TRANSPORT=ucx cargo test --release --workspace --features "$features" \
-    --test cluster --test faults --test restarts --test answers --test families "$@"
+    --test cluster --test faults --test restarts --test answers --test families --test chaos "$@"

@@ -13,6 +13,15 @@
 //! faults x outcomes is printed. `PD_CHAOS_FAULTS` sets the number of faults (default 8;
 //! `scripts/chaos.sh` runs more), `PD_CHAOS_SEED` the seed. Needs root (CI runs as root);
 //! without it the test says why and passes without running.
+//!
+//! With `PD_TEST_KV_TRANSPORT=ucx` (scripts/test.sh runs the suite once more so) the decode
+//! workers take KV over UCX (`--kv-transport ucx`, a fixed UCX port, so that a restarted
+//! worker comes back on the address the prefill workers' cached endpoints name), UCX's TCP
+//! transport on each namespace's own link (`UCX_NET_DEVICES=eth0`, `UCX_TLS=tcp`): kills,
+//! stops, partitions and throttling hit the UCX path as they hit gRPC. The fault proxy speaks
+//! TCP to one gRPC endpoint and cannot stand in a UCX connection, so the KV-path faults are
+//! drawn only over gRPC; at the end every prefill worker must have committed KV over UCX and
+//! none over gRPC.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -27,6 +36,10 @@ const WORKERS: [&str; 4] = ["p0", "p1", "d0", "d1"];
 const PORT: u16 = 7100;
 /// The fault proxy in front of decode worker i listens on the client's address, this + i.
 const PROXY_PORT: u16 = 7200;
+/// Each worker's metrics port, on its namespace's address.
+const METRICS_PORT: u16 = 7300;
+/// A decode worker's UCX KV listener, on its namespace's address (with UCX).
+const UCX_PORT: u16 = 7400;
 const REQUESTS_PER_FAULT: usize = 3;
 const MAX_TOKENS: u32 = 40;
 /// A request that takes longer than this hangs.
@@ -68,6 +81,8 @@ enum Fault {
 
 const FAULTS: [Fault; 7] =
     [Fault::Kill, Fault::StopCont, Fault::Partition, Fault::Throttle, Fault::KvDelay, Fault::KvStall, Fault::KvCut];
+/// The faults that reach a UCX KV path (the fault proxy speaks gRPC's TCP only).
+const UCX_FAULTS: [Fault; 4] = [Fault::Kill, Fault::StopCont, Fault::Partition, Fault::Throttle];
 
 impl Fault {
     /// The nodes this fault can hit.
@@ -95,6 +110,7 @@ struct Chaos {
     procs: BTreeMap<&'static str, Proc>,
     net: Net,
     logs: tempfile::TempDir,
+    ucx: bool,
 }
 
 impl Chaos {
@@ -115,10 +131,19 @@ impl Chaos {
             ("pd-prefill", "pd-prefill listening on")
         };
         let mut c = self.net.command(node, &binary(bin));
-        c.args(["--listen", &self.addr(node), "--metrics-listen", "127.0.0.1:0", "--model"]).arg(&model);
+        let metrics = format!("{}:{METRICS_PORT}", self.net.addr(node));
+        c.args(["--listen", &self.addr(node), "--metrics-listen", &metrics, "--model"]).arg(&model);
         if node.starts_with('d') {
-            c.args(["--kv-blocks", "512", "--grace-ms", "0", "--advertise", &self.proxy_addr(node)]);
+            c.args(["--kv-blocks", "512", "--grace-ms", "0"]);
+            if self.ucx {
+                let ucx = format!("{}:{UCX_PORT}", self.net.addr(node));
+                c.args(["--kv-transport", "ucx", "--kv-ucx-listen", &ucx]);
+            } else {
+                c.args(["--advertise", &self.proxy_addr(node)]);
+            }
         }
+        // UCX over each namespace's link, never shared memory (which no link fault reaches).
+        c.env("UCX_NET_DEVICES", "eth0").env("UCX_TLS", "tcp");
         let n = self.procs.len();
         let log = self.logs.path().join(format!("{node}-{n}.log"));
         let (proc, _) = spawn_command(c, bin, prefix, Some(log));
@@ -255,7 +280,8 @@ fn recoverable_faults_leave_every_request_identical_and_no_block_held() {
     };
     let faults: usize = std::env::var("PD_CHAOS_FAULTS").ok().and_then(|v| v.parse().ok()).unwrap_or(8);
     let seed: u64 = std::env::var("PD_CHAOS_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(20261130);
-    let mut chaos = Chaos { procs: BTreeMap::new(), net, logs: tempfile::tempdir().expect("log folder") };
+    let ucx = pd_tests::default_kv_transport().as_deref() == Some("ucx");
+    let mut chaos = Chaos { procs: BTreeMap::new(), net, logs: tempfile::tempdir().expect("log folder"), ucx };
     for node in WORKERS {
         chaos.start_worker(node);
     }
@@ -323,8 +349,9 @@ async fn run(chaos: &mut Chaos, faults: usize, seed: u64) -> Result<(), String> 
     let mut slowest: BTreeMap<Fault, Duration> = BTreeMap::new();
     let mut problems = Vec::new();
     let mut injected = Vec::new();
+    let drawn: &[Fault] = if chaos.ucx { &UCX_FAULTS } else { &FAULTS };
     for round in 0..faults {
-        let fault = FAULTS[rng.below(FAULTS.len() as u64) as usize];
+        let fault = drawn[rng.below(drawn.len() as u64) as usize];
         let node = fault.targets()[rng.below(fault.targets().len() as u64) as usize];
         let at = Duration::from_millis(100 + rng.below(600));
         let picks: Vec<usize> = (0..REQUESTS_PER_FAULT).map(|_| rng.below(expected.len() as u64) as usize).collect();
@@ -396,10 +423,11 @@ async fn run(chaos: &mut Chaos, faults: usize, seed: u64) -> Result<(), String> 
         tokio::time::sleep(Duration::from_millis(1500)).await;
     }
     let idle = wait_idle(chaos).await;
-    println!("chaos matrix ({faults} faults, seed {seed}, {REQUESTS_PER_FAULT} requests each):");
+    let transport = if chaos.ucx { "UCX" } else { "gRPC" };
+    println!("chaos matrix ({faults} faults, seed {seed}, {REQUESTS_PER_FAULT} requests each, KV over {transport}):");
     println!("| fault | identical | typed error | wrong | hang | slowest request |");
     println!("|---|---|---|---|---|---|");
-    for fault in FAULTS {
+    for &fault in drawn {
         let n = |o: Outcome| matrix.get(&(fault, o)).copied().unwrap_or(0);
         let row = [Outcome::Identical, Outcome::TypedError, Outcome::Wrong, Outcome::Hang].map(n);
         let slow = slowest.get(&fault).map_or("-".to_string(), |d| format!("{:.1} s", d.as_secs_f64()));
@@ -407,15 +435,41 @@ async fn run(chaos: &mut Chaos, faults: usize, seed: u64) -> Result<(), String> 
     }
     println!("blocks held after the load: {}", if idle.is_ok() { "none" } else { "some (see below)" });
     println!("faults: {}", injected.join(", "));
-    let through: Vec<usize> = proxies.values().map(FaultProxy::accepted).collect();
-    println!("KV connections through the fault proxies (d0, d1): {through:?}");
     idle?;
-    if through.iter().sum::<usize>() == 0 {
-        problems.push("no KV transfer went through the fault proxies".into());
+    if chaos.ucx {
+        let (ucx, grpc) = committed_kv(chaos).await?;
+        println!("KV transfers committed by the prefill workers: {ucx} over UCX, {grpc} over gRPC");
+        if ucx == 0 || grpc > 0 {
+            problems.push(format!("with UCX, {ucx} transfers were committed over UCX and {grpc} over gRPC"));
+        }
+    } else {
+        let through: Vec<usize> = proxies.values().map(FaultProxy::accepted).collect();
+        println!("KV connections through the fault proxies (d0, d1): {through:?}");
+        if through.iter().sum::<usize>() == 0 {
+            problems.push("no KV transfer went through the fault proxies".into());
+        }
     }
     if problems.is_empty() {
         Ok(())
     } else {
         Err(problems.join("\n"))
     }
+}
+
+/// KV transfers the prefill workers committed, over UCX and over gRPC (their metrics).
+async fn committed_kv(chaos: &Chaos) -> Result<(u64, u64), String> {
+    let (mut ucx, mut grpc) = (0, 0);
+    for node in ["p0", "p1"] {
+        let url = format!("http://{}:{METRICS_PORT}/metrics", chaos.net.addr(node));
+        let text = async { reqwest::get(&url).await?.text().await }.await.map_err(|e| format!("{url}: {e}"))?;
+        for line in text.lines().filter(|l| l.starts_with("pd_kv_transfers_total{") && l.contains("committed")) {
+            let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0) as u64;
+            if line.contains("transport=\"ucx\"") {
+                ucx += value;
+            } else {
+                grpc += value;
+            }
+        }
+    }
+    Ok((ucx, grpc))
 }
