@@ -12,6 +12,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// pd decode worker.
 #[derive(Debug, Parser)]
+#[command(version)]
 struct Args {
     /// Address to listen on (DecodeWorker and KvTransfer services).
     #[arg(long, env = "PD_DECODE_LISTEN", default_value = "127.0.0.1:0")]

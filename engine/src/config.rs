@@ -183,7 +183,8 @@ impl DeviceKind {
             DeviceKind::Cpu => Ok(candle_core::Device::Cpu),
             DeviceKind::Cuda(ordinal) => {
                 if cfg!(feature = "cuda") {
-                    Ok(candle_core::Device::new_cuda(ordinal)?)
+                    candle_core::Device::new_cuda(ordinal)
+                        .map_err(|e| EngineError::Device { ordinal, reason: e.to_string() })
                 } else {
                     Err(EngineError::Config("this build has no CUDA support; rebuild with `--features cuda`".into()))
                 }

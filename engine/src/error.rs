@@ -68,6 +68,10 @@ pub enum EngineError {
     /// Engine settings out of range.
     #[error("invalid engine configuration: {0}")]
     Config(String),
+    /// The CUDA device asked for cannot be opened (no GPU visible to the process, a driver
+    /// older than the build's CUDA, an ordinal past the last device).
+    #[error("cannot open CUDA device {ordinal}: {reason} (is a GPU visible to this process? nvidia-smi lists them; in a container the NVIDIA runtime must mount the driver and the device)")]
+    Device { ordinal: usize, reason: String },
     /// A CUDA driver call or one of the engine's own kernels failed (feature `cuda`).
     #[error("CUDA {what}: {reason}")]
     Cuda { what: String, reason: String },

@@ -12,6 +12,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// pd prefill worker.
 #[derive(Debug, Parser)]
+#[command(version)]
 struct Args {
     /// Address to listen on (PrefillWorker service).
     #[arg(long, env = "PD_PREFILL_LISTEN", default_value = "127.0.0.1:0")]

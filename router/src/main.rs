@@ -27,6 +27,7 @@ fn keep_freed_pages() {
 
 /// pd router.
 #[derive(Debug, Parser)]
+#[command(version)]
 struct Args {
     /// HTTP (OpenAI API) listen address.
     #[arg(long, env = "PD_HTTP_LISTEN", default_value = "127.0.0.1:8080")]
