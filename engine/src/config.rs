@@ -63,6 +63,10 @@ pub struct DecoderParts {
     /// from the model's (Gemma 3's `rope_local_base_freq`; its global layers keep
     /// `rope_theta` and the scaling).
     pub local_rope_theta: Option<f32>,
+    /// Rotary embeddings turn only the first `rotary_dim` values of each head; the rest pass
+    /// unchanged (Phi-4-mini's `partial_rotary_factor`, GGUF's `rope.dimension_count` below
+    /// the head width). `None`: the whole head.
+    pub rotary_dim: Option<usize>,
 }
 
 /// Sliding-window attention: in the layers it names, a query at position `p` sees the keys
@@ -123,6 +127,14 @@ impl ModelConfig {
                 self.head_dim
             )));
         }
+        if let Some(r) = self.parts.rotary_dim {
+            if r == 0 || !r.is_multiple_of(2) || r > self.head_dim {
+                return Err(EngineError::Metadata(format!(
+                    "rotary dimensions ({r}) must be even, positive and at most head_dim ({})",
+                    self.head_dim
+                )));
+            }
+        }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return Err(EngineError::Metadata(format!("rope_theta ({}) must be a positive number", self.rope_theta)));
         }
@@ -156,6 +168,11 @@ impl ModelConfig {
             }
         }
         self.rope_scaling.validate()
+    }
+
+    /// Values of each head that rotary embeddings turn.
+    pub fn rotary_dim(&self) -> usize {
+        self.parts.rotary_dim.unwrap_or(self.head_dim)
     }
 
     /// Width of one token's K (or V) in one layer.

@@ -118,7 +118,7 @@ pub struct Model {
     layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Linear,
-    /// `[max_position, head_dim / 2]` rotary tables.
+    /// `[max_position, rotary_dim / 2]` rotary tables.
     cos: Tensor,
     sin: Tensor,
     /// The sliding-window layers' own tables, where their rotary base differs (Gemma 3).
@@ -146,6 +146,23 @@ impl Model {
             }
             let factors = freqs.dequantize()?.flatten_all()?.to_vec1::<f32>()?;
             config.rope_scaling = crate::rope::RopeScaling::Factors(factors);
+        }
+        // LongRoPE from GGUF: the converter stores the two factor lists as tensors and the
+        // rest as metadata (read into an empty `LongRope` by the GGUF reader).
+        let long = source.take("rope_factors_long.weight")?;
+        let short = source.take("rope_factors_short.weight")?;
+        if long.is_some() || short.is_some() {
+            let crate::rope::RopeScaling::LongRope { short: s, long: l, .. } = &mut config.rope_scaling else {
+                return Err(EngineError::Metadata(
+                    "`rope_factors_long`/`short` tensors without LongRoPE metadata".into(),
+                ));
+            };
+            let values = |t: Option<RawTensor>, name: &str| -> Result<Vec<f32>> {
+                let t = t.ok_or_else(|| EngineError::MissingTensor(name.to_string()))?;
+                Ok(t.dequantize()?.flatten_all()?.to_vec1::<f32>()?)
+            };
+            *l = values(long, "rope_factors_long.weight")?;
+            *s = values(short, "rope_factors_short.weight")?;
         }
         config.validate()?;
         if config.parts.attn_softcap.is_some() && !matches!(device, Device::Cpu) {
@@ -358,7 +375,7 @@ impl Model {
         let dev = &self.device;
         let embedded = self.embed.lookup(&ids, dev)?;
         let positions = Tensor::from_vec(positions, rows, dev)?;
-        let half = c.head_dim / 2;
+        let half = c.rotary_dim() / 2;
         let at_positions =
             |table: &Tensor| -> Result<Tensor> { Ok(table.index_select(&positions, 0)?.reshape((rows, 1, half))?) };
         let (cos, sin) = (at_positions(&self.cos)?, at_positions(&self.sin)?);
@@ -455,28 +472,38 @@ impl Model {
         })
     }
 
-    /// Applies rotary embeddings to `[rows, heads * head_dim]`.
+    /// Applies rotary embeddings to `[rows, heads * head_dim]`: to the first `rotary_dim`
+    /// values of each head, the rest passing unchanged (partial rotary).
     fn rope(&self, x: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let (rows, width) = x.dims2()?;
-        let x = x.reshape((rows, heads, 1, width / heads))?;
-        let y = match self.config.rope_style {
-            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, cos, sin)?,
-            RopeStyle::Halves => candle_nn::rotary_emb::rope(&x, cos, sin)?,
+        let (head_dim, rotary) = (width / heads, self.config.rotary_dim());
+        let x = x.reshape((rows, heads, 1, head_dim))?;
+        let turn = |x: &Tensor| -> Result<Tensor> {
+            Ok(match self.config.rope_style {
+                RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(x, cos, sin)?,
+                RopeStyle::Halves => candle_nn::rotary_emb::rope(x, cos, sin)?,
+            })
+        };
+        let y = if rotary == head_dim {
+            turn(&x)?
+        } else {
+            let turned = turn(&x.narrow(3, 0, rotary)?.contiguous()?)?;
+            Tensor::cat(&[turned, x.narrow(3, rotary, head_dim - rotary)?], 3)?
         };
         Ok(y.reshape((rows, width))?)
     }
 }
 
-/// `[max_position, head_dim / 2]` cos and sin, with a rotary scheme and base (and the
-/// scheme's attention factor, which YaRN folds into both).
+/// `[max_position, rotary_dim / 2]` cos and sin, with a rotary scheme and base (and the
+/// scheme's attention factor, which YaRN and LongRoPE fold into both).
 fn rope_tables(
     c: &ModelConfig,
     scaling: &crate::rope::RopeScaling,
     theta: f32,
     device: &Device,
 ) -> Result<(Tensor, Tensor)> {
-    let half = c.head_dim / 2;
-    let (inv_freq, attention_factor) = scaling.frequencies(c.head_dim, theta)?;
+    let half = c.rotary_dim() / 2;
+    let (inv_freq, attention_factor) = scaling.frequencies(c.rotary_dim(), theta, c.max_position)?;
     let inv_freq = Tensor::from_vec(inv_freq, (1, half), device)?;
     let pos =
         Tensor::arange(0u32, c.max_position as u32, device)?.to_dtype(DType::F32)?.reshape((c.max_position, 1))?;

@@ -209,8 +209,16 @@ fn settings_and_tensors_the_engine_would_ignore_are_refused_by_name() {
         c["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
     });
     assert!(matches!(&err, pd_engine::EngineError::UnusedTensor(n) if n.contains("_proj.bias")), "{err}");
-    let err = load_edited("llama3-rope", |c| c["rope_parameters"]["rope_type"] = "longrope".into());
+    let err = load_edited("llama3-rope", |c| c["rope_parameters"]["rope_type"] = "longrope2".into());
     assert!(err.to_string().contains("rope_parameters.rope_type"), "{err}");
+    // LongRoPE without its factor lists, or with lists that do not fit the rotated values.
+    let err = load_edited("llama3-rope", |c| c["rope_parameters"]["rope_type"] = "longrope".into());
+    assert!(err.to_string().contains("rope_parameters.short_factor"), "{err}");
+    let err = load_edited("phi4-mini", |c| c["rope_parameters"]["short_factor"] = serde_json::json!(vec![1.0f64; 8]));
+    assert!(err.to_string().contains("short_factor has 8 values, the head rotates 6"), "{err}");
+    // Partial rotary outside Phi-3's layout (transformers' Llama layer would ignore it).
+    let err = load_edited("llama", |c| c["partial_rotary_factor"] = 0.5.into());
+    assert!(err.to_string().contains("partial_rotary_factor"), "{err}");
     let err = load_edited("llama-tied", |c| c["tie_word_embeddings"] = false.into());
     assert!(matches!(&err, pd_engine::EngineError::MissingTensor(n) if n == "lm_head.weight"), "{err}");
     let err = load_edited("qwen3", |c| c["model_type"] = "gemma3n_text".into());

@@ -93,6 +93,41 @@ CASES = {
     # the last token outweighs everything and greedy decoding repeats it.
     "mistral-window": ("mistral", {"sliding_window": 16, "head_dim": 16}),
     "phi3-window": ("phi3", {"sliding_window": 16, "pad_token_id": 0, "original_max_position_embeddings": 128}),
+    # LongRoPE (Phi-3.5-mini, Phi-3 128k) past its original context: the 12-token prompt is
+    # already longer than the original 8 positions, so transformers uses the long factors for
+    # every position, as pd does for a model serving more than the original context.
+    "phi3-longrope": (
+        "phi3",
+        {
+            "sliding_window": 96,
+            "pad_token_id": 0,
+            "original_max_position_embeddings": 8,
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+                "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0],
+            },
+        },
+    ),
+    # Phi-4-mini's layout: tied, 3/4 of each head rotating, LongRoPE within its original
+    # context (the short factors), with an attention factor of its own.
+    "phi4-mini": (
+        "phi3",
+        {
+            "tie_word_embeddings": True,
+            "sliding_window": 96,
+            "pad_token_id": 0,
+            "max_position_embeddings": 64,
+            "original_max_position_embeddings": 64,
+            "partial_rotary_factor": 0.75,
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 5.0],
+                "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+                "attention_factor": 1.2,
+            },
+        },
+    ),
     # Qwen2 with use_sliding_window: layers from max_window_layers (1) on slide.
     "qwen2-window": (
         "qwen2",
@@ -130,7 +165,7 @@ CASES = {
 }
 
 # Standard deviation of the embeddings drawn, where not 1.
-EMBED_STD = {"gemma2-window": 0.05, "gemma3": 0.05}
+EMBED_STD = {"gemma2-window": 0.05, "gemma3": 0.05, "phi4-mini": 0.5}
 
 # GGUF architecture of each case llama.cpp converts (Mistral's files use llama's).
 GGUF_ARCH = {
@@ -143,6 +178,8 @@ GGUF_ARCH = {
     "qwen3": "qwen3",
     "phi3": "phi3",
     "phi3-window": "phi3",
+    "phi3-longrope": "phi3",
+    "phi4-mini": "phi3",
     "gemma2-window": "gemma2",
     "gemma3": "gemma3",
 }
@@ -204,10 +241,11 @@ def write_gguf(path, arch, config, model):
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    rope_params = c.rope_parameters.get("full_attention", c.rope_parameters)
+    rotary_dim = int(head_dim * rope_params.get("partial_rotary_factor", 1.0))
+    w.add_rope_dimension_count(rotary_dim)
     # Gemma 3 keys its rotary parameters by layer type; llama.cpp stores the global ones (and,
     # in newer files, the local base as `rope.freq_base_swa`).
-    rope_params = c.rope_parameters.get("full_attention", c.rope_parameters)
     w.add_rope_freq_base(rope_params["rope_theta"])
     if arch == "gemma3":
         w.add_float32("gemma3.rope.freq_base_swa", c.rope_parameters["sliding_attention"]["rope_theta"])
@@ -225,6 +263,18 @@ def write_gguf(path, arch, config, model):
     tensors = {k: v.float().numpy() for k, v in model.state_dict().items()}
     if rope == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(c, head_dim))
+    if rope == "longrope":
+        # llama.cpp's Phi-3 converter: the factor lists as tensors, the original context and
+        # the attention factor as metadata.
+        original = rope_params["original_max_position_embeddings"]
+        attention = rope_params.get("attention_factor")
+        if attention is None:
+            scale = c.max_position_embeddings / original
+            attention = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(attention)
+        w.add_tensor("rope_factors_long.weight", np.array(rope_params["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope_params["short_factor"], dtype=np.float32))
     names = {
         "input_layernorm.weight": "attn_norm.weight",
         "post_attention_layernorm.weight": "ffn_norm.weight",

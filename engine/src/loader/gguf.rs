@@ -101,17 +101,24 @@ impl GgufFile {
                 .map(Vec::len)
                 .ok_or_else(|| EngineError::Metadata("no vocab size and no tokenizer tokens".into()))?,
         };
-        // Qwen3's heads are wider than hidden / heads: llama.cpp stores `attention.key_length`.
-        let head_dim =
-            int("attention.key_length").or_else(|_| int("rope.dimension_count")).unwrap_or(hidden_size / num_heads);
-        if let Ok(rotary) = int("rope.dimension_count") {
-            if rotary != head_dim {
+        // Qwen3's heads are wider than hidden / heads: llama.cpp stores `attention.key_length`
+        // (older files only a wider `rope.dimension_count`). Phi-4-mini rotates 3/4 of each
+        // head: `rope.dimension_count` below the head width.
+        let rotary = int("rope.dimension_count").ok();
+        let head_dim = int("attention.key_length")
+            .ok()
+            .or(rotary.filter(|&r| r > hidden_size / num_heads))
+            .unwrap_or(hidden_size / num_heads);
+        let rotary_dim = match rotary {
+            Some(r) if r < head_dim && arch == "phi3" => Some(r),
+            Some(r) if r != head_dim => {
                 return Err(EngineError::UnsupportedSetting {
                     field: format!("{arch}.rope.dimension_count"),
-                    reason: format!("{rotary} of {head_dim} values per head (partial rotary)"),
+                    reason: format!("{r} of {head_dim} values per head (partial rotary: phi3 files only)"),
                 });
             }
-        }
+            _ => None,
+        };
         let num_layers = int("block_count")?;
         let window_key = format!("{arch}.attention.sliding_window");
         let window = if md.contains_key(&window_key) { Some(int("attention.sliding_window")?) } else { None };
@@ -144,7 +151,7 @@ impl GgufFile {
                 ..Default::default()
             }
         } else {
-            DecoderParts { qkv_bias, qk_norm, sliding_window, ..Default::default() }
+            DecoderParts { qkv_bias, qk_norm, sliding_window, rotary_dim, ..Default::default() }
         };
         let default_theta = if arch == "gemma3" { 1_000_000.0 } else { 10_000.0 };
         let config = ModelConfig {
@@ -159,7 +166,7 @@ impl GgufFile {
             rope_theta: float("rope.freq_base").unwrap_or(default_theta),
             rms_norm_eps: float("attention.layer_norm_rms_epsilon")? as f64,
             rope_style,
-            rope_scaling: self.rope_scaling(&arch)?,
+            rope_scaling: self.rope_scaling(&arch, int("context_length")?)?,
             parts,
         };
         config.validate()?;
@@ -168,9 +175,31 @@ impl GgufFile {
 
     /// `{arch}.rope.scaling.*`: none or linear. Llama 3.1's scheme comes as the
     /// `rope_freqs` tensor, which the model reads; YaRN and others are refused by name.
-    fn rope_scaling(&self, arch: &str) -> Result<RopeScaling> {
+    /// LongRoPE (phi3 files with `rope_factors_long`/`short` tensors): the original context
+    /// and attention factor from metadata, the factor lists left for the model to read.
+    fn rope_scaling(&self, arch: &str, context: usize) -> Result<RopeScaling> {
         let md = &self.content.metadata;
         let key = |k: &str| format!("{arch}.rope.scaling.{k}");
+        if self.content.tensor_infos.contains_key("rope_factors_long.weight") {
+            let number = |k: &str| -> Result<Option<f32>> {
+                md.get(&key(k))
+                    .map(|v| {
+                        v.to_f32()
+                            .or_else(|_| v.to_u32().map(|x| x as f32))
+                            .or_else(|_| v.to_u64().map(|x| x as f32))
+                            .map_err(|e| EngineError::Metadata(format!("`{}`: {e}", key(k))))
+                    })
+                    .transpose()
+            };
+            let original_max = number("original_context_length")?.ok_or_else(|| {
+                EngineError::Metadata(format!("LongRoPE factors without `{}`", key("original_context_length")))
+            })? as usize;
+            let attention_factor = match number("attn_factor")? {
+                Some(a) => a,
+                None => RopeScaling::longrope_attention(context as f32 / original_max as f32, original_max),
+            };
+            return Ok(RopeScaling::LongRope { short: Vec::new(), long: Vec::new(), original_max, attention_factor });
+        }
         let kind = match md.get(&key("type")) {
             Some(v) => v.to_string().map_err(|e| EngineError::Metadata(format!("`{}`: {e}", key("type"))))?.clone(),
             None => "none".to_string(),

@@ -154,11 +154,6 @@ impl HfConfig {
         if self.flag("mlp_bias") {
             return Err(unsupported("mlp_bias", "true"));
         }
-        if let Some(p) = self.value("partial_rotary_factor").and_then(Value::as_f64) {
-            if p != 1.0 {
-                return Err(unsupported("partial_rotary_factor", format!("{p} (rotary on part of each head)")));
-            }
-        }
         if let Some(Value::Array(types)) = self.value("layer_types") {
             let known = |t: &Value| {
                 t.as_str() == Some("full_attention") || (windowed(family) && t.as_str() == Some("sliding_attention"))
@@ -218,12 +213,14 @@ impl HfConfig {
         let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
         let num = |key: &str| p.get(key).filter(|v| !v.is_null()).and_then(Value::as_f64).map(|v| v as f32);
         let need = |key: &str| num(key).ok_or_else(|| unsupported(&format!("{field}.{key}"), "missing"));
-        if let Some(p) = num("partial_rotary_factor").filter(|&p| p != 1.0) {
-            let field = format!("{field}.partial_rotary_factor");
-            return Err(unsupported(&field, format!("{p} (rotary on part of each head)")));
-        }
-        let original =
-            || num("original_max_position_embeddings").map(|v| v as usize).unwrap_or(self.max_position_embeddings);
+        // transformers 5: a top-level `original_max_position_embeddings` wins over the
+        // scheme's own (Phi-3's configs keep it there; Phi3Config defaults it to 4096).
+        let phi3 = family == Family::Phi3;
+        let original = || {
+            let top = self.value("original_max_position_embeddings").and_then(Value::as_u64).map(|v| v as usize);
+            let default = if phi3 { 4096 } else { self.max_position_embeddings };
+            top.or(num("original_max_position_embeddings").map(|v| v as usize)).unwrap_or(default)
+        };
         let scaling = match kind {
             "default" => RopeScaling::None,
             "linear" => RopeScaling::Linear { factor: need("factor")? },
@@ -235,6 +232,7 @@ impl HfConfig {
                 high_freq_factor: need("high_freq_factor")?,
                 original_max: need("original_max_position_embeddings")? as usize,
             },
+            "yarn" if phi3 => self.longrope(p, field, original())?,
             "yarn" => {
                 let factor = match num("factor") {
                     Some(f) => f,
@@ -256,9 +254,57 @@ impl HfConfig {
                     truncate: p.get("truncate").and_then(Value::as_bool).unwrap_or(true),
                 }
             }
+            // Phi-3's configs name LongRoPE `su` (and transformers reads a Phi-3 `yarn` as it).
+            "longrope" | "su" => self.longrope(p, field, original())?,
             other => return Err(unsupported(&format!("{field}.rope_type"), format!("`{other}`"))),
         };
         Ok((scaling, theta, None))
+    }
+
+    /// LongRoPE's factor lists and attention factor (transformers' `_compute_longrope_parameters`:
+    /// `factor` defaults to max / original positions).
+    fn longrope(&self, p: &Value, field: &str, original_max: usize) -> Result<RopeScaling> {
+        let list = |key: &str| -> Result<Vec<f32>> {
+            let bad = || unsupported(&format!("{field}.{key}"), "missing or not a list of numbers");
+            let values = p.get(key).and_then(Value::as_array).ok_or_else(bad)?;
+            values.iter().map(|v| v.as_f64().map(|x| x as f32).ok_or_else(bad)).collect()
+        };
+        let num = |key: &str| p.get(key).filter(|v| !v.is_null()).and_then(Value::as_f64).map(|v| v as f32);
+        let factor = num("factor").unwrap_or(self.max_position_embeddings as f32 / original_max as f32);
+        Ok(RopeScaling::LongRope {
+            short: list("short_factor")?,
+            long: list("long_factor")?,
+            original_max,
+            attention_factor: num("attention_factor")
+                .unwrap_or_else(|| RopeScaling::longrope_attention(factor, original_max)),
+        })
+    }
+
+    /// Values of each head that rotate, where fewer than all: `partial_rotary_factor` (top
+    /// level or in the rotary parameters) times the head width, as transformers truncates it.
+    /// Phi-3's layer applies it (Phi-4-mini: 0.75); another family's would be ignored by its
+    /// layer in transformers too, so it is refused there.
+    fn rotary_dim(&self, family: Family, head_dim: usize) -> Result<Option<usize>> {
+        let params = self.rope_parameters.as_ref().or(self.rope_scaling.as_ref()).filter(|v| v.is_object());
+        let (field, factor) = match params.and_then(|p| p.get("partial_rotary_factor")).and_then(Value::as_f64) {
+            Some(f) if self.rope_parameters.is_some() => ("rope_parameters.partial_rotary_factor", f),
+            Some(f) => ("rope_scaling.partial_rotary_factor", f),
+            None => match self.value("partial_rotary_factor").and_then(Value::as_f64) {
+                Some(f) => ("partial_rotary_factor", f),
+                None => return Ok(None),
+            },
+        };
+        if factor == 1.0 {
+            return Ok(None);
+        }
+        if family != Family::Phi3 {
+            return Err(unsupported(field, format!("{factor} (rotary on part of each head: Phi-3's layout only)")));
+        }
+        let dim = (head_dim as f64 * factor) as usize;
+        if !(factor > 0.0 && factor < 1.0) || dim == 0 || !dim.is_multiple_of(2) {
+            return Err(unsupported(field, format!("{factor} (gives {dim} of {head_dim} values: not an even number)")));
+        }
+        Ok(Some(dim))
     }
 
     /// The rotary base of the sliding-window layers where it differs from the global one:
@@ -347,7 +393,9 @@ impl HfConfig {
             },
             Family::Llama | Family::Mistral | Family::Phi3 => DecoderParts::default(),
         };
-        let parts = DecoderParts { sliding_window, local_rope_theta, ..parts };
+        let head_dim = self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1));
+        let rotary_dim = self.rotary_dim(family, head_dim)?;
+        let parts = DecoderParts { sliding_window, local_rope_theta, rotary_dim, ..parts };
         let max_position = rope_cap.map_or(self.max_position_embeddings, |cap| cap.min(self.max_position_embeddings));
         let config = ModelConfig {
             vocab_size: self.vocab_size,
@@ -356,7 +404,7 @@ impl HfConfig {
             num_layers: self.num_hidden_layers,
             num_heads: self.num_attention_heads,
             num_kv_heads: self.num_key_value_heads.unwrap_or(self.num_attention_heads),
-            head_dim: self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1)),
+            head_dim,
             max_position,
             rope_theta,
             rms_norm_eps: self.rms_norm_eps,
@@ -408,7 +456,12 @@ mod tests {
     #[test]
     fn settings_that_change_the_math_are_refused_by_name() {
         let cases = [
-            (serde_json::json!({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}), "rope_scaling.rope_type"),
+            (
+                serde_json::json!({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}),
+                "rope_scaling.short_factor",
+            ),
+            (serde_json::json!({"rope_scaling": {"rope_type": "su", "short_factor": [1.0, "x"]}}), "short_factor"),
+            (serde_json::json!({"rope_scaling": {"rope_type": "longrope2"}}), "rope_scaling.rope_type"),
             (serde_json::json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}), "low_freq_factor"),
             (serde_json::json!({"hidden_act": "gelu"}), "hidden_act"),
             (serde_json::json!({"attention_bias": true}), "attention_bias"),
@@ -426,6 +479,41 @@ mod tests {
         }
         let err = config(serde_json::json!({"model_type": "gemma3n_text", "architectures": ["Gemma3nForCausalLM"]}));
         assert!(matches!(err, Err(EngineError::UnsupportedArchitecture(a)) if a == "gemma3n_text"));
+    }
+
+    /// Phi-4-mini's rotary setting: 3/4 of each head turns, LongRoPE with Phi-3's top-level
+    /// original context; the factor set is the one for the context served.
+    #[test]
+    fn phi4_mini_partial_rotary_and_longrope() {
+        let phi = |extra: Value| {
+            let mut c = serde_json::json!({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"],
+                "max_position_embeddings": 1024, "original_max_position_embeddings": 64,
+                "partial_rotary_factor": 0.75});
+            c.as_object_mut().expect("valid").extend(extra.as_object().expect("valid").clone());
+            config(c)
+        };
+        let factors = serde_json::json!({"rope_scaling": {"type": "longrope",
+            "short_factor": [1.0, 1.5, 2.0], "long_factor": [2.0, 3.0, 4.0]}});
+        let c = phi(factors.clone()).expect("valid");
+        assert_eq!(c.parts.rotary_dim, Some(6), "0.75 of 8");
+        let RopeScaling::LongRope { original_max, attention_factor, .. } = c.rope_scaling else { panic!("longrope") };
+        assert_eq!(original_max, 64, "the top-level original context");
+        assert!((attention_factor - RopeScaling::longrope_attention(16.0, 64)).abs() < 1e-7);
+        let (freqs, _) = c.rope_scaling.frequencies(6, c.rope_theta, c.max_position).expect("valid");
+        let (base, _) = RopeScaling::None.frequencies(6, c.rope_theta, 1024).expect("valid");
+        assert!((freqs[2] - base[2] / 4.0).abs() < 1e-9, "1024 positions served: the long set");
+        let mut explicit = factors.clone();
+        explicit["rope_scaling"]["attention_factor"] = 1.25.into();
+        let c = phi(explicit).expect("valid");
+        assert!(matches!(c.rope_scaling, RopeScaling::LongRope { attention_factor: 1.25, .. }));
+        let err = phi(serde_json::json!({"partial_rotary_factor": 0.7})).expect_err("refused").to_string();
+        assert!(err.contains("partial_rotary_factor") && err.contains("not an even number"), "{err}");
+        let err = phi(serde_json::json!({"rope_scaling": {"type": "longrope", "short_factor": [1.0],
+            "long_factor": [1.0]}}))
+        .and_then(|c| c.rope_scaling.frequencies(6, c.rope_theta, c.max_position).map(|_| ()))
+        .expect_err("refused")
+        .to_string();
+        assert!(err.contains("long_factor has 1 values"), "{err}");
     }
 
     #[test]
