@@ -162,10 +162,27 @@ CASES = {
             "pad_token_id": 0,
         },
     ),
+    # Gemma 3's multimodal layout (Gemma3ForConditionalGeneration, as gemma-3-4b/12b/27b ship):
+    # the same language model under `text_config`, written as the Hub's files are (only the
+    # settings that differ from Gemma3TextConfig's defaults; tensors under transformers 4's
+    # `language_model.model.*` names) beside a tiny vision tower pd does not run.
+    "gemma3-multimodal": (
+        "gemma3",
+        {
+            "tie_word_embeddings": True,
+            "num_hidden_layers": 6,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 16,
+            "rope_local_base_freq": 100.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+            "pad_token_id": 0,
+        },
+    ),
 }
 
 # Standard deviation of the embeddings drawn, where not 1.
-EMBED_STD = {"gemma2-window": 0.05, "gemma3": 0.05, "phi4-mini": 0.5}
+EMBED_STD = {"gemma2-window": 0.05, "gemma3": 0.05, "gemma3-multimodal": 0.05, "phi4-mini": 0.5}
 
 # GGUF architecture of each case llama.cpp converts (Mistral's files use llama's).
 GGUF_ARCH = {
@@ -339,13 +356,67 @@ def write_tokenizer(folder, vocab_size):
     tok.save(os.path.join(folder, "tokenizer.json"))
 
 
+def multimodal_config(extra):
+    """A Gemma3Config around the small text config, with a tiny SigLIP vision tower."""
+    from transformers import Gemma3Config
+
+    text = {**SMALL, **extra, "model_type": "gemma3_text"}
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+
+
+def as_hub_files(folder):
+    """Rewrites a saved multimodal Gemma 3 the way the Hub's files are: text_config holding
+    only what differs from Gemma3TextConfig's defaults, tensors under transformers 4's names."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3TextConfig
+
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    defaults = Gemma3TextConfig().to_dict()
+    text = config["text_config"]
+    kept = {k: v for k, v in text.items() if k not in defaults or defaults[k] != v or k == "model_type"}
+    # transformers 4 wrote the scaling as `rope_scaling` and the local base on its own.
+    rope = kept.pop("rope_parameters", None) or text["rope_parameters"]
+    kept["rope_scaling"] = {k: v for k, v in rope["full_attention"].items() if k != "rope_theta"}
+    kept["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+    if rope["full_attention"]["rope_theta"] != 1_000_000.0:
+        kept["rope_theta"] = rope["full_attention"]["rope_theta"]
+    kept.pop("layer_types", None)
+    config["text_config"] = kept
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+    file = os.path.join(folder, "model.safetensors")
+    tensors = load_file(file)
+    renamed = {}
+    for name, t in tensors.items():
+        for new, old in [("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+                         ("model.multi_modal_projector.", "multi_modal_projector.")]:
+            if name.startswith(new):
+                name = old + name[len(new):]
+        renamed[name] = t
+    save_file(renamed, file, metadata={"format": "pt"})
+
+
 def main(out_dir, only=None):
     for name, (model_type, extra) in sorted(CASES.items()):
         if only and name not in only:
             continue
         # A seed of the case's own (adding a case leaves the others' fixtures as they are).
         seed = zlib.crc32(name.encode()) % 10_000
-        config = AutoConfig.for_model(model_type, **{**SMALL, **extra})
+        if model_type == "gemma3":
+            config = multimodal_config(extra)
+        else:
+            config = AutoConfig.for_model(model_type, **{**SMALL, **extra})
         torch.manual_seed(seed)
         # Eager attention: the one transformers applies Gemma 2's soft-capping in.
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
@@ -365,7 +436,9 @@ def main(out_dir, only=None):
         folder = os.path.join(out_dir, name)
         os.makedirs(folder, exist_ok=True)
         model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
-        write_tokenizer(folder, config.vocab_size)
+        if model_type == "gemma3":
+            as_hub_files(folder)
+        write_tokenizer(folder, config.get_text_config().vocab_size)
         if name in GGUF_ARCH:
             write_gguf(os.path.join(folder, "model.gguf"), GGUF_ARCH[name], config, model)
         for extra_file in ["generation_config.json"]:

@@ -1,4 +1,5 @@
-//! Hugging Face model folders (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3):
+//! Hugging Face model folders (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, and
+//! the language model of Gemma 3's multimodal checkpoints):
 //! config.json, tokenizer.json, tokenizer_config.json (chat template, optional) and
 //! *.safetensors.
 
@@ -7,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
-use super::hf_config::{EosIds, HfConfig};
+use super::hf_config::{language_config, EosIds, HfConfig};
 use super::{RawTensor, TensorSource};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
@@ -32,8 +33,11 @@ impl HfFolder {
         }
         let text = std::fs::read_to_string(&config_path)
             .map_err(|source| EngineError::Io { path: config_path.clone(), source })?;
-        let config: HfConfig =
+        let raw: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| folder_err(path, format!("config.json: {e}")))?;
+        let (raw, multimodal) = language_config(raw)?;
+        let config: HfConfig =
+            serde_json::from_value(raw).map_err(|e| folder_err(path, format!("config.json: {e}")))?;
         config.family()?;
         let mut files: Vec<PathBuf> = std::fs::read_dir(path)
             .map_err(|source| EngineError::Io { path: path.to_path_buf(), source })?
@@ -49,6 +53,9 @@ impl HfFolder {
             let loaded = candle_core::safetensors::load(file, device)
                 .map_err(|e| folder_err(path, format!("{}: {e}", file.display())))?;
             tensors.extend(loaded);
+        }
+        if multimodal {
+            tensors = language_model_tensors(tensors);
         }
         Ok(HfFolder { path: path.to_path_buf(), config, tensors })
     }
@@ -99,6 +106,30 @@ impl HfFolder {
             _ => None,
         })
     }
+}
+
+/// A multimodal checkpoint's language model under the names of a text-only one: transformers
+/// 4's `language_model.model.*` / `language_model.lm_head.*` (the files on the Hub) or 5's
+/// `model.language_model.*`. The vision tower and projector are dropped: pd serves text
+/// (the router refuses image content parts by name).
+fn language_model_tensors(tensors: HashMap<String, Tensor>) -> HashMap<String, Tensor> {
+    let vision = ["vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector."];
+    tensors
+        .into_iter()
+        .filter(|(name, _)| !vision.iter().any(|v| name.starts_with(v)))
+        .map(|(name, t)| {
+            let renamed = if let Some(rest) = name.strip_prefix("language_model.model.") {
+                format!("model.{rest}")
+            } else if let Some(rest) = name.strip_prefix("model.language_model.") {
+                format!("model.{rest}")
+            } else if let Some(rest) = name.strip_prefix("language_model.") {
+                rest.to_string()
+            } else {
+                name
+            };
+            (renamed, t)
+        })
+        .collect()
 }
 
 /// Hugging Face name of a GGUF tensor name; `gemma`: Gemma's four norms per layer (its
@@ -166,5 +197,27 @@ impl TensorSource for HfFolder {
         let mut names: Vec<String> = self.tensors.keys().cloned().collect();
         names.sort();
         names
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_multimodal_checkpoints_language_model_is_read_under_either_naming() {
+        let t = Tensor::zeros(1, candle_core::DType::F32, &Device::Cpu).expect("tensor");
+        let names = [
+            "language_model.model.layers.0.mlp.up_proj.weight",
+            "model.language_model.norm.weight",
+            "language_model.lm_head.weight",
+            "vision_tower.vision_model.embeddings.patch_embedding.weight",
+            "model.vision_tower.vision_model.post_layernorm.weight",
+            "multi_modal_projector.mm_input_projection_weight",
+        ];
+        let tensors = names.iter().map(|n| (n.to_string(), t.clone())).collect();
+        let mut kept: Vec<String> = language_model_tensors(tensors).into_keys().collect();
+        kept.sort();
+        assert_eq!(kept, ["lm_head.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]);
     }
 }

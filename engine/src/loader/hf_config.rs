@@ -100,6 +100,48 @@ pub(super) struct HfConfig {
     rest: Map<String, Value>,
 }
 
+/// The config of the language model to serve, from a folder's config.json, and whether the
+/// checkpoint is multimodal (its language model's tensors under `language_model.` names
+/// beside a vision tower pd does not run). Gemma 3's 4B/12B/27B checkpoints
+/// (`Gemma3ForConditionalGeneration`) nest it under `text_config`, which keeps only what
+/// differs from transformers' `Gemma3TextConfig` defaults: those are filled in here, as
+/// transformers does, for every Gemma 3 text config. The outer config's token ids win (its
+/// `eos_token_id` lists the end-of-turn token).
+pub(super) fn language_config(mut raw: Value) -> Result<(Value, bool)> {
+    let outer_type = raw.get("model_type").and_then(Value::as_str).map(str::to_string);
+    let multimodal = outer_type.as_deref() == Some("gemma3") && raw.get("text_config").is_some_and(Value::is_object);
+    let mut config = if multimodal {
+        let mut text = raw["text_config"].take();
+        for key in ["bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"] {
+            if let Some(v) = raw.get(key).filter(|v| !v.is_null()) {
+                text[key] = v.clone();
+            }
+        }
+        text["model_type"] = "gemma3_text".into();
+        text["architectures"] = serde_json::json!(["Gemma3ForCausalLM"]);
+        text
+    } else {
+        raw
+    };
+    if config.get("model_type").and_then(Value::as_str) == Some("gemma3_text") {
+        let defaults = serde_json::json!({
+            "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+            "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+            "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+            "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "pad_token_id": 0,
+            "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": true,
+            "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        });
+        let object = config.as_object_mut().ok_or_else(|| EngineError::Metadata("config is not an object".into()))?;
+        for (key, value) in defaults.as_object().into_iter().flatten() {
+            if object.get(key).is_none_or(Value::is_null) {
+                object.insert(key.clone(), value.clone());
+            }
+        }
+    }
+    Ok((config, multimodal))
+}
+
 /// Families whose configs may set sliding-window layers that pd runs.
 fn windowed(family: Family) -> bool {
     !matches!(family, Family::Llama)
@@ -479,6 +521,30 @@ mod tests {
         }
         let err = config(serde_json::json!({"model_type": "gemma3n_text", "architectures": ["Gemma3nForCausalLM"]}));
         assert!(matches!(err, Err(EngineError::UnsupportedArchitecture(a)) if a == "gemma3n_text"));
+    }
+
+    /// gemma-3-4b-it's config.json as the Hub has it: the text model's settings under
+    /// `text_config`, most left at Gemma3TextConfig's defaults, the end-of-turn id outside.
+    #[test]
+    fn gemma3_multimodal_configs_serve_their_language_model() {
+        let raw = serde_json::json!({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+            "eos_token_id": [1, 106], "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+            "model_type": "gemma3_text", "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0,
+            "rope_type": "linear"}, "sliding_window": 1024}, "vision_config": {"model_type": "siglip_vision_model"}});
+        let (text, multimodal) = language_config(raw).expect("valid");
+        assert!(multimodal);
+        let c: HfConfig = serde_json::from_value(text).expect("parses");
+        assert!(matches!(c.eos_token_id, Some(EosIds::Many(ref ids)) if ids == &[1, 106]), "the outer ids win");
+        let m = c.model_config().expect("valid");
+        assert_eq!((m.vocab_size, m.num_heads, m.num_kv_heads, m.head_dim), (262_208, 8, 4, 256));
+        assert_eq!((m.parts.query_scale, m.rope_theta, m.parts.local_rope_theta), (Some(256.0), 1e6, Some(1e4)));
+        assert_eq!(m.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        let window = m.parts.sliding_window.expect("sliding layers");
+        assert_eq!((window.size, window.layers.iter().filter(|&&s| !s).count()), (1024, 5), "34 layers, 5 global");
+        // Another multimodal family is not mistaken for its language model.
+        let (_, multimodal) =
+            language_config(serde_json::json!({"model_type": "llava", "text_config": {}})).expect("valid");
+        assert!(!multimodal);
     }
 
     /// Phi-4-mini's rotary setting: 3/4 of each head turns, LongRoPE with Phi-3's top-level
