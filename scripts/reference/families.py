@@ -44,6 +44,18 @@ SMALL = dict(
     eos_token_id=2,
 )
 
+# Gemma 3's small text model, served from both of its checkpoint layouts.
+GEMMA3 = {
+    "tie_word_embeddings": True,
+    "num_hidden_layers": 6,
+    "head_dim": 16,
+    "query_pre_attn_scalar": 16,
+    "sliding_window": 16,
+    "rope_local_base_freq": 100.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+    "pad_token_id": 0,
+}
+
 CASES = {
     "llama": ("llama", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
@@ -149,36 +161,12 @@ CASES = {
     # Gemma 3: Q/K norms, sliding layers 0-4 on a rotary base of their own, the global layer
     # 5 with linear scaling (the pattern llama.cpp assumes for every Gemma 3 file), no
     # soft-capping.
-    "gemma3": (
-        "gemma3_text",
-        {
-            "tie_word_embeddings": True,
-            "num_hidden_layers": 6,
-            "head_dim": 16,
-            "query_pre_attn_scalar": 16,
-            "sliding_window": 16,
-            "rope_local_base_freq": 100.0,
-            "rope_scaling": {"rope_type": "linear", "factor": 4.0},
-            "pad_token_id": 0,
-        },
-    ),
+    "gemma3": ("gemma3_text", GEMMA3),
     # Gemma 3's multimodal layout (Gemma3ForConditionalGeneration, as gemma-3-4b/12b/27b ship):
     # the same language model under `text_config`, written as the Hub's files are (only the
     # settings that differ from Gemma3TextConfig's defaults; tensors under transformers 4's
     # `language_model.model.*` names) beside a tiny vision tower pd does not run.
-    "gemma3-multimodal": (
-        "gemma3",
-        {
-            "tie_word_embeddings": True,
-            "num_hidden_layers": 6,
-            "head_dim": 16,
-            "query_pre_attn_scalar": 16,
-            "sliding_window": 16,
-            "rope_local_base_freq": 100.0,
-            "rope_scaling": {"rope_type": "linear", "factor": 4.0},
-            "pad_token_id": 0,
-        },
-    ),
+    "gemma3-multimodal": ("gemma3", GEMMA3),
 }
 
 # Standard deviation of the embeddings drawn, where not 1.
