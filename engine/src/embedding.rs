@@ -2,13 +2,16 @@
 //! forward pass reads only the rows of its tokens. Widening the whole table to f32 at load
 //! cost 4 bytes per value: at Llama-3.2-1B geometry (49,152 x 2,048) that is 384 MiB for a
 //! table the Q4_1 file holds in 60 MiB. Block-quantized rows are widened on lookup, with
-//! candle's own dequantization.
+//! candle's own dequantization. A tied model whose output projection is repacked for the
+//! `wq` kernels reads its rows from that projection, so the table is held once.
 
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
 use candle_core::{DType, Device, Tensor};
+use std::sync::Arc;
 
 use crate::error::{EngineError, Result};
 use crate::loader::RawTensor;
+use crate::matmul_wq::WqWeight;
 
 /// The embedding table: a GGUF tensor's raw blocks, or a dense tensor in its own dtype.
 #[derive(Debug)]
@@ -17,6 +20,8 @@ pub enum Embedding {
     Blocks { dtype: GgmlDType, bytes: Vec<u8>, row_bytes: usize, hidden: usize },
     /// `[vocab, hidden]` on the model's device (bf16, f16 or f32).
     Dense(Tensor),
+    /// The output projection's repacked blocks (tied embeddings under `wq`).
+    Tied(Arc<WqWeight>),
 }
 
 impl Embedding {
@@ -64,6 +69,7 @@ impl Embedding {
                 let ids = Tensor::from_slice(ids, ids.len(), table.device())?;
                 Ok(table.index_select(&ids, 0)?.to_dtype(DType::F32)?)
             }
+            Embedding::Tied(w) => w.rows(ids, device),
         }
     }
 }
@@ -92,6 +98,14 @@ mod tests {
             assert_eq!(max_diff(&table.lookup(&ids, &Device::Cpu)?, &want)?, 0.0, "{dtype:?}");
         }
         // A dense bf16 table keeps its dtype and gives f32 rows.
+        // Rows read from a tied output projection's repacked blocks are the same values.
+        for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+            let q = QTensor::quantize(&dense, dtype)?;
+            let want = Embedding::new(&RawTensor::Quant(QTensor::quantize(&dense, dtype)?), &Device::Cpu)?;
+            let tied = Embedding::Tied(Arc::new(WqWeight::from_parts(&[&q])?));
+            let (want, got) = (want.lookup(&ids, &Device::Cpu)?, tied.lookup(&ids, &Device::Cpu)?);
+            assert_eq!(max_diff(&got, &want)?, 0.0, "tied {dtype:?}");
+        }
         let bf16 = dense.to_dtype(DType::BF16)?;
         let table = Embedding::new(&RawTensor::Dense(bf16.clone()), &Device::Cpu)?;
         let got = table.lookup(&ids, &Device::Cpu)?;

@@ -2,10 +2,15 @@
 //! checkpoint's own quantized values and `x` stays f32. Q4_1 blocks (32 weights: f16 scale
 //! `d`, f16 minimum `m`, 4-bit `q`; weight = d * q + m) and Q8_0 blocks (f16 `d`, 8-bit `q`,
 //! m = 0) are repacked at load, losslessly, into layouts the kernel widens cheaply: a matrix
-//! of Q4_1 parts keeps its nibbles (f32 `d` + 16 bytes, plus f32 `m` apart: 24 bytes per 32
-//! weights where f16 needs 64), anything else becomes f32 `d` + 32 signed bytes (36 bytes,
-//! plus `m` only where some part has one). Nothing is rounded but what the file already
-//! rounded: unlike candle's Q8 path the activations keep all their bits.
+//! of Q4_1 parts keeps its nibbles (16 bytes per 32 weights), anything else becomes 32
+//! signed bytes; the f16 scales `d` and minimums `m` (`m` only where some part has one) are
+//! kept apart, as stored, so the weights take what the file takes (20 bytes per 32 Q4_1
+//! weights, where f16 weights need 64). The kernels widen 16 (AVX-512) or 8 (AVX2 + F16C)
+//! scales with one instruction into a stack buffer, then run those blocks: widening each
+//! block's own scale inside the loop made decode steps 1.5x slower with AVX-512, and widening
+//! a task's scales into a heap buffer first made 4-row steps 15% slower. Nothing is rounded
+//! but what the file already rounded: unlike candle's Q8 path the activations keep all
+//! their bits.
 //!
 //! Per block and row, `sum_j x_j (d q_j + m) = d * sum_j x_j q_j + m * sum_j x_j`; the block
 //! sums of `x` are computed once per call (AVX2 and portable kernels; the AVX-512 one widens
@@ -35,10 +40,9 @@ const ROW_BLOCK: usize = 4;
 /// Outputs per parallel task.
 const OUTPUTS_PER_TASK: usize = 64;
 
-/// A block of 32 quantized weights as the kernels read it: weight j = d * q(j) (+ m, kept
-/// apart).
+/// The 32 quantized values of a block as the kernels read them: weight j = d * q(j) + m,
+/// with the block's `d` and `m` kept apart.
 pub(crate) trait QBlock: Copy + Send + Sync {
-    fn d(&self) -> f32;
     /// The j-th quantized value, as f32.
     fn q(&self, j: usize) -> f32;
     /// The 32 values widened to f32, 8 lanes each (positions 0-7, 8-15, 16-23, 24-31).
@@ -55,11 +59,10 @@ pub(crate) trait QBlock: Copy + Send + Sync {
     unsafe fn widen16(&self) -> [std::arch::x86_64::__m512; 2];
 }
 
-/// Eight signed bytes, then 32 values as f32.
+/// 32 signed bytes.
 #[derive(Debug, Clone, Copy)]
 #[repr(C)]
 pub(crate) struct Block8 {
-    d: f32,
     q: [i8; QK],
 }
 
@@ -68,14 +71,10 @@ pub(crate) struct Block8 {
 #[derive(Debug, Clone, Copy)]
 #[repr(C)]
 pub(crate) struct Block4 {
-    d: f32,
     q: [u8; QK / 2],
 }
 
 impl QBlock for Block8 {
-    fn d(&self) -> f32 {
-        self.d
-    }
     fn q(&self, j: usize) -> f32 {
         f32::from(self.q[j])
     }
@@ -104,9 +103,6 @@ impl QBlock for Block8 {
 }
 
 impl QBlock for Block4 {
-    fn d(&self) -> f32 {
-        self.d
-    }
     fn q(&self, j: usize) -> f32 {
         f32::from(if j < QK / 2 { self.q[j] & 0x0F } else { self.q[j - QK / 2] >> 4 })
     }
@@ -152,16 +148,18 @@ enum Blocks {
 #[derive(Debug)]
 pub(crate) struct WqWeight {
     blocks: Blocks,
+    /// Each block's scale d, row after row.
+    scales: Vec<f16>,
     /// Each block's minimum m, row after row; `None` when every part is Q8_0 (all zero).
     /// The AVX-512 kernel folds m into the widened weights; the others add `m * sum(x)` per
     /// block in one vector pass per output, from block sums of x computed once per call.
-    mins: Option<Vec<f32>>,
+    mins: Option<Vec<f16>>,
     n: usize,
     k: usize,
 }
 
-fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+fn f16_at(b: &[u8], i: usize) -> f16 {
+    f16::from_le_bytes([b[i], b[i + 1]])
 }
 
 impl WqWeight {
@@ -175,7 +173,7 @@ impl WqWeight {
         }
         let nibbles = parts.iter().all(|p| p.dtype() == GgmlDType::Q4_1);
         let any_min = parts.iter().any(|p| p.dtype() == GgmlDType::Q4_1);
-        let (mut b4, mut b8, mut mins) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut b4, mut b8, mut scales, mut mins) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut n = 0;
         for part in parts {
             let dims = part.shape().dims();
@@ -197,41 +195,76 @@ impl WqWeight {
             for b in data.chunks_exact(size) {
                 match part.dtype() {
                     GgmlDType::Q4_1 => {
-                        let block = Block4 { d: f16_at(b, 0), q: std::array::from_fn(|j| b[4 + j]) };
+                        let block = Block4 { q: std::array::from_fn(|j| b[4 + j]) };
                         if nibbles {
                             b4.push(block);
                         } else {
-                            b8.push(Block8 { d: block.d, q: std::array::from_fn(|j| block.q(j) as i8) });
+                            b8.push(Block8 { q: std::array::from_fn(|j| block.q(j) as i8) });
                         }
+                        scales.push(f16_at(b, 0));
                         mins.push(f16_at(b, 2));
                     }
                     _ => {
-                        b8.push(Block8 { d: f16_at(b, 0), q: std::array::from_fn(|j| b[2 + j] as i8) });
-                        mins.push(0.0);
+                        b8.push(Block8 { q: std::array::from_fn(|j| b[2 + j] as i8) });
+                        scales.push(f16_at(b, 0));
+                        mins.push(f16::ZERO);
                     }
                 }
             }
             n += dims[0];
         }
         let blocks = if nibbles { Blocks::Nibbles(b4) } else { Blocks::Bytes(b8) };
-        Ok(WqWeight { blocks, mins: any_min.then_some(mins), n, k })
+        Ok(WqWeight { blocks, scales, mins: any_min.then_some(mins), n, k })
     }
 
     /// The weights as an f32 `[n, k]` tensor (for many-row products, where gemm wins).
     pub(crate) fn dequantize(&self, device: &Device) -> Result<Tensor> {
-        fn values<B: QBlock>(blocks: &[B], mins: Option<&[f32]>) -> Vec<f32> {
-            let mut out = Vec::with_capacity(blocks.len() * QK);
-            for (i, b) in blocks.iter().enumerate() {
-                let m = mins.map_or(0.0, |m| m[i]);
-                out.extend((0..QK).map(|j| b.q(j) * b.d() + m));
-            }
-            out
-        }
-        let out = match &self.blocks {
-            Blocks::Nibbles(b) => values(b, self.mins.as_deref()),
-            Blocks::Bytes(b) => values(b, self.mins.as_deref()),
-        };
+        let mut out = Vec::with_capacity(self.n * self.k);
+        self.widen_blocks(0..self.n * self.k / QK, &mut out);
         Ok(Tensor::from_vec(out, (self.n, self.k), device)?)
+    }
+
+    /// Rows `ids` as an f32 `[ids.len(), k]` tensor: a tied model's token embeddings, read
+    /// from its output projection instead of a second copy of the table. The values are
+    /// candle's dequantization of the stored blocks (`d * q + m`), bit for bit.
+    pub(crate) fn rows(&self, ids: &[u32], device: &Device) -> Result<Tensor> {
+        let nb = self.k / QK;
+        let mut out = Vec::with_capacity(ids.len() * self.k);
+        for &id in ids {
+            let id = id as usize;
+            if id >= self.n {
+                return Err(EngineError::InvalidBatch(format!("row {id} of a {}-row matrix", self.n)));
+            }
+            self.widen_blocks(id * nb..(id + 1) * nb, &mut out);
+        }
+        Ok(Tensor::from_vec(out, (ids.len(), self.k), device)?)
+    }
+
+    /// Appends the f32 values of blocks `range` (row-major block indices) to `out`.
+    fn widen_blocks(&self, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
+        fn values<B: QBlock>(blocks: &[B], scales: &[f16], mins: Option<&[f16]>, out: &mut Vec<f32>) {
+            for (i, b) in blocks.iter().enumerate() {
+                let (d, m) = (scales[i].to_f32(), mins.map_or(0.0, |m| m[i].to_f32()));
+                out.extend((0..QK).map(|j| b.q(j) * d + m));
+            }
+        }
+        let (scales, mins) = (&self.scales[range.clone()], self.mins.as_ref().map(|m| &m[range.clone()]));
+        match &self.blocks {
+            Blocks::Nibbles(b) => values(&b[range], scales, mins, out),
+            Blocks::Bytes(b) => values(&b[range], scales, mins, out),
+        }
+    }
+
+    /// Bytes the weights take in memory.
+    #[cfg(test)]
+    pub(crate) fn bytes(&self) -> usize {
+        let blocks = match &self.blocks {
+            Blocks::Nibbles(b) => std::mem::size_of_val(b.as_slice()),
+            Blocks::Bytes(b) => std::mem::size_of_val(b.as_slice()),
+        };
+        blocks
+            + std::mem::size_of_val(self.scales.as_slice())
+            + self.mins.as_ref().map_or(0, |m| std::mem::size_of_val(m.as_slice()))
     }
 
     /// `x` `[m, k]` (f32, CPU) times the weights transposed, as `[m, n]`.
@@ -265,7 +298,7 @@ impl WqWeight {
             let outputs = y_chunk.len() / m;
             let w = |i: usize| {
                 let rows = (first + i) * nb..(first + i + 1) * nb;
-                (&blocks[rows.clone()], self.mins.as_ref().map(|m| &m[rows]))
+                (&blocks[rows.clone()], &self.scales[rows.clone()], self.mins.as_ref().map(|m| &m[rows]))
             };
             let sums = |r: usize, rows: usize| if xsum.is_empty() { &[][..] } else { &xsum[r * nb..(r + rows) * nb] };
             let mut r = 0;
@@ -312,9 +345,13 @@ fn simd() -> Simd {
     {
         static DETECTED: std::sync::OnceLock<Simd> = std::sync::OnceLock::new();
         *DETECTED.get_or_init(|| {
+            // F16C widens the scales; every CPU with AVX2 + FMA has it.
             if crate::simd::avx512() {
                 Simd::Avx512
-            } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            } else if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
                 Simd::Avx2
             } else {
                 Simd::Portable
@@ -331,11 +368,12 @@ fn simd() -> Simd {
 fn dot_rows<const R: usize, B: QBlock>(
     x: &[f32],
     xsum: &[f32],
-    (w, mins): (&[B], Option<&[f32]>),
+    (w, d, mins): (&[B], &[f16], Option<&[f16]>),
     simd: Simd,
 ) -> [f32; R] {
     let nb = w.len();
     assert!(x.len() >= R * nb * QK, "dot_rows: x shorter than {R} x {nb} blocks");
+    assert!(d.len() == nb, "dot_rows: one scale per block");
     if let Some(mins) = mins {
         assert!(mins.len() == nb, "dot_rows: one minimum per block");
         assert!(simd == Simd::Avx512 || xsum.len() >= R * nb, "dot_rows: one block sum per block");
@@ -343,33 +381,33 @@ fn dot_rows<const R: usize, B: QBlock>(
     // SAFETY: AVX-512 F was detected at run time; the lengths were checked above.
     #[cfg(target_arch = "x86_64")]
     if simd == Simd::Avx512 {
-        return unsafe { full_avx512::<R, B>(x, w, mins) };
+        return unsafe { full_avx512::<R, B>(x, w, d, mins) };
     }
     let scaled: [f32; R] = match simd {
         // SAFETY: the features were detected at run time; the lengths were checked above.
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { scaled_avx2::<R, B>(x, w) },
-        _ => scaled_portable::<R, B>(x, w),
+        Simd::Avx2 => unsafe { scaled_avx2::<R, B>(x, w, d) },
+        _ => scaled_portable::<R, B>(x, w, d),
     };
     let Some(mins) = mins else { return scaled };
     let minimum = match simd {
         // SAFETY: AVX2 + FMA are part of either detected level; lengths checked above.
         #[cfg(target_arch = "x86_64")]
         Simd::Avx2 => unsafe { minimums_avx2::<R>(xsum, mins) },
-        _ => std::array::from_fn(|r| (0..nb).fold(0f32, |t, b| xsum[r * nb + b].mul_add(mins[b], t))),
+        _ => std::array::from_fn(|r| (0..nb).fold(0f32, |t, b| xsum[r * nb + b].mul_add(mins[b].to_f32(), t))),
     };
     std::array::from_fn(|r| scaled[r] + minimum[r])
 }
 
 /// Per row, `sum_b d_b * sum_j x_j q_j` in plain Rust.
-fn scaled_portable<const R: usize, B: QBlock>(x: &[f32], w: &[B]) -> [f32; R] {
+fn scaled_portable<const R: usize, B: QBlock>(x: &[f32], w: &[B], d: &[f16]) -> [f32; R] {
     let nb = w.len();
     std::array::from_fn(|r| {
         let mut scaled = 0f32;
         for (b, block) in w.iter().enumerate() {
             let xb = &x[(r * nb + b) * QK..(r * nb + b + 1) * QK];
             let dot = xb.iter().enumerate().fold(0f32, |dot, (j, x)| x.mul_add(block.q(j), dot));
-            scaled = dot.mul_add(block.d(), scaled);
+            scaled = dot.mul_add(d[b].to_f32(), scaled);
         }
         scaled
     })
@@ -380,8 +418,8 @@ fn scaled_portable<const R: usize, B: QBlock>(x: &[f32], w: &[B]) -> [f32; R] {
 /// # Safety
 /// The CPU must have AVX2 and FMA; `xsum` holds `R * mins.len()` values.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn minimums_avx2<const R: usize>(xsum: &[f32], mins: &[f32]) -> [f32; R] {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn minimums_avx2<const R: usize>(xsum: &[f32], mins: &[f16]) -> [f32; R] {
     use std::arch::x86_64::*;
     let nb = mins.len();
     std::array::from_fn(|r| {
@@ -391,13 +429,13 @@ unsafe fn minimums_avx2<const R: usize>(xsum: &[f32], mins: &[f32]) -> [f32; R] 
             // SAFETY: b + 8 <= nb, and mins and this row's xsum hold nb values.
             mv = unsafe {
                 _mm256_fmadd_ps(
-                    _mm256_loadu_ps(mins.as_ptr().add(b)),
+                    _mm256_cvtph_ps(_mm_loadu_si128(mins.as_ptr().add(b).cast::<__m128i>())),
                     _mm256_loadu_ps(xsum.as_ptr().add(r * nb + b)),
                     mv,
                 )
             };
         }
-        let tail = (whole..nb).fold(0f32, |t, b| xsum[r * nb + b].mul_add(mins[b], t));
+        let tail = (whole..nb).fold(0f32, |t, b| xsum[r * nb + b].mul_add(mins[b].to_f32(), t));
         let mut lanes = [0f32; 8];
         // SAFETY: 8 f32 fit in `lanes`.
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), mv) };
@@ -411,17 +449,21 @@ unsafe fn minimums_avx2<const R: usize>(xsum: &[f32], mins: &[f32]) -> [f32; R] 
 /// # Safety
 /// The CPU must have AVX2 and FMA; `x` holds `R * w.len() * 32` values.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn scaled_avx2<const R: usize, B: QBlock>(x: &[f32], w: &[B]) -> [f32; R] {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scaled_avx2<const R: usize, B: QBlock>(x: &[f32], w: &[B], d: &[f16]) -> [f32; R] {
     use std::arch::x86_64::*;
     let nb = w.len();
     // Two accumulators per row (even and odd blocks) halve the FMA dependency chain.
     let mut acc = [[_mm256_setzero_ps(); 2]; R];
     let xp = x.as_ptr();
+    let mut scales = [0f32; 8];
     for (b, block) in w.iter().enumerate() {
+        if b % 8 == 0 {
+            widen_scales_8(&d[b..(b + 8).min(nb)], &mut scales);
+        }
         // SAFETY (all loads below): x holds 32 values per block and row (the caller's check).
         let q = unsafe { block.widen8() };
-        let d = _mm256_set1_ps(block.d());
+        let d = _mm256_set1_ps(scales[b % 8]);
         for (r, row_acc) in acc.iter_mut().enumerate() {
             let row = unsafe { xp.add((r * nb + b) * QK) };
             let xv: [__m256; 4] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(row.add(8 * i)) });
@@ -452,13 +494,13 @@ unsafe fn block_avx512<const R: usize, B: QBlock, const A: usize, const M: bool>
     nb: usize,
     b: usize,
     block: &B,
-    m: f32,
+    (d, m): (f32, f32),
     acc: &mut [[std::arch::x86_64::__m512; 4]; R],
 ) {
     use std::arch::x86_64::*;
     // SAFETY (all loads): x holds 32 values per block and row (the caller's contract).
     let [q0, q1] = unsafe { block.widen16() };
-    let d = _mm512_set1_ps(block.d());
+    let d = _mm512_set1_ps(d);
     let (w0, w1) = if M {
         let m = _mm512_set1_ps(m);
         (_mm512_fmadd_ps(q0, d, m), _mm512_fmadd_ps(q1, d, m))
@@ -482,11 +524,11 @@ unsafe fn block_avx512<const R: usize, B: QBlock, const A: usize, const M: bool>
 /// value per block.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn full_avx512<const R: usize, B: QBlock>(x: &[f32], w: &[B], mins: Option<&[f32]>) -> [f32; R] {
+unsafe fn full_avx512<const R: usize, B: QBlock>(x: &[f32], w: &[B], d: &[f16], mins: Option<&[f16]>) -> [f32; R] {
     // SAFETY (both): forwarded from the caller.
     match mins {
-        Some(mins) => unsafe { blocks_avx512::<R, B, true>(x, w, mins) },
-        None => unsafe { blocks_avx512::<R, B, false>(x, w, &[]) },
+        Some(mins) => unsafe { blocks_avx512::<R, B, true>(x, w, d, mins) },
+        None => unsafe { blocks_avx512::<R, B, false>(x, w, d, &[]) },
     }
 }
 
@@ -496,32 +538,77 @@ unsafe fn full_avx512<const R: usize, B: QBlock>(x: &[f32], w: &[B], mins: Optio
 /// As `full_avx512`; with `M`, `mins` holds one value per block.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn blocks_avx512<const R: usize, B: QBlock, const M: bool>(x: &[f32], w: &[B], mins: &[f32]) -> [f32; R] {
+unsafe fn blocks_avx512<const R: usize, B: QBlock, const M: bool>(
+    x: &[f32],
+    w: &[B],
+    d: &[f16],
+    mins: &[f16],
+) -> [f32; R] {
     use std::arch::x86_64::*;
     let nb = w.len();
     assert!(x.len() >= R * nb * QK, "blocks_avx512: x shorter than {R} x {nb} blocks");
     assert!(!M || mins.len() == nb, "blocks_avx512: one minimum per block");
-    let m = |b: usize| if M { mins[b] } else { 0.0 };
+    assert!(d.len() == nb, "blocks_avx512: one scale per block");
     let mut acc = [[_mm512_setzero_ps(); 4]; R];
-    // Two blocks per iteration with fixed accumulator indices (an index computed from the
-    // block number kept the accumulators in memory).
-    let mut b = 0;
-    while b + 2 <= nb {
-        // SAFETY (both): b + 1 < nb; the caller's contract.
-        unsafe {
-            block_avx512::<R, B, 0, M>(x, nb, b, &w[b], m(b), &mut acc);
-            block_avx512::<R, B, 2, M>(x, nb, b + 1, &w[b + 1], m(b + 1), &mut acc);
+    let (mut scales, mut minimums) = ([0f32; 16], [0f32; 16]);
+    // 16 blocks' scales widened at a time; two blocks per iteration with fixed accumulator
+    // indices (an index computed from the block number kept the accumulators in memory).
+    let mut start = 0;
+    while start < nb {
+        let n = (nb - start).min(16);
+        widen_scales_16(&d[start..start + n], &mut scales);
+        if M {
+            widen_scales_16(&mins[start..start + n], &mut minimums);
         }
-        b += 2;
-    }
-    if b < nb {
-        // SAFETY: b < nb; the caller's contract.
-        unsafe { block_avx512::<R, B, 0, M>(x, nb, b, &w[b], m(b), &mut acc) };
+        let mut j = 0;
+        while j + 2 <= n {
+            let b = start + j;
+            // SAFETY (both): b + 1 < nb; the caller's contract.
+            unsafe {
+                block_avx512::<R, B, 0, M>(x, nb, b, &w[b], (scales[j], minimums[j]), &mut acc);
+                block_avx512::<R, B, 2, M>(x, nb, b + 1, &w[b + 1], (scales[j + 1], minimums[j + 1]), &mut acc);
+            }
+            j += 2;
+        }
+        if j < n {
+            let b = start + j;
+            // SAFETY: b < nb; the caller's contract.
+            unsafe { block_avx512::<R, B, 0, M>(x, nb, b, &w[b], (scales[j], minimums[j]), &mut acc) };
+        }
+        start += n;
     }
     std::array::from_fn(|r| {
         let a = &acc[r];
         _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])))
     })
+}
+
+/// Up to 16 f16 scales as f32, one instruction for a whole group.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn widen_scales_16(h: &[f16], out: &mut [f32; 16]) {
+    use std::arch::x86_64::*;
+    if h.len() == 16 {
+        // SAFETY: 16 f16 values are read and 16 f32 written, both in bounds.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_cvtph_ps(_mm256_loadu_si256(h.as_ptr().cast()))) };
+    } else {
+        out.iter_mut().zip(h).for_each(|(o, v)| *o = v.to_f32());
+    }
+}
+
+/// Up to 8 f16 scales as f32, one instruction for a whole group.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn widen_scales_8(h: &[f16], out: &mut [f32; 8]) {
+    use std::arch::x86_64::*;
+    if h.len() == 8 {
+        // SAFETY: 8 f16 values are read and 8 f32 written, both in bounds.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().cast()))) };
+    } else {
+        out.iter_mut().zip(h).for_each(|(o, v)| *o = v.to_f32());
+    }
 }
 
 #[cfg(test)]
@@ -537,7 +624,9 @@ mod tests {
     /// Q4_1 alone (the nibble layout), Q8_0 alone (bytes, no minimums) and both stacked in one
     /// matrix (bytes with minimums).
     fn layouts() -> Result<Vec<(&'static str, QTensor, Option<QTensor>)>> {
-        let k = 96;
+        // 19 blocks per row: a whole group of 16 (8 with AVX2) scales widened at once, and a
+        // shorter one.
+        let k = 19 * QK;
         Ok(vec![
             ("q4_1", quantized(70, k, GgmlDType::Q4_1)?, None),
             ("q8_0", quantized(70, k, GgmlDType::Q8_0)?, None),
@@ -595,6 +684,22 @@ mod tests {
                 let d = run(kernel).iter().zip(&portable).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
                 assert!(d < 1e-4, "{name}: {kernel:?} differs from the portable loop by {d}");
             }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_layout_takes_what_the_file_takes_and_rows_widen_as_candle_does() -> Result<()> {
+        for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+            let q = quantized(50, 128, dtype)?;
+            let w = WqWeight::from_parts(&[&q])?;
+            assert_eq!(w.bytes(), q.data()?.len(), "{dtype:?}");
+            let ids = [49u32, 0, 7, 7];
+            let select = Tensor::new(&ids[..], &Device::Cpu)?;
+            let want = q.dequantize(&Device::Cpu)?.index_select(&select, 0)?.to_vec2::<f32>()?;
+            assert_eq!(w.rows(&ids, &Device::Cpu)?.to_vec2::<f32>()?, want, "{dtype:?}");
+            let e = w.rows(&[50], &Device::Cpu).expect_err("row 50 of 50");
+            assert!(e.to_string().contains("row 50 of a 50-row matrix"), "{e}");
         }
         Ok(())
     }

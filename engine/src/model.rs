@@ -10,6 +10,7 @@
 //! sequence. Logits are computed only for the last row of sequences that ask for them.
 
 use std::ops::ControlFlow;
+use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
@@ -32,8 +33,9 @@ enum Linear {
         weight: Tensor,
     },
     Quant(QMatMul),
-    /// Weight-only quantized, f32 activations (`WeightFormat::Wq`, CPU).
-    Wq(WqWeight),
+    /// Weight-only quantized, f32 activations (`WeightFormat::Wq`, CPU); shared with the
+    /// token embeddings of a tied model.
+    Wq(Arc<WqWeight>),
 }
 
 /// Up to how many rows a projection on CPU uses the small-batch kernels (weights read once per
@@ -131,6 +133,23 @@ pub struct Model {
 }
 
 impl Model {
+    /// Keeps the rotary tables for the first `positions` positions only: no sequence of a
+    /// KV pool of `positions` slots goes further. At a 131,072-token context the full tables
+    /// take 32 MiB (head width 64), more than the KV pool of a small deployment.
+    pub(crate) fn limit_positions(&mut self, positions: usize) -> Result<()> {
+        let trim = |t: &Tensor| -> Result<Tensor> {
+            Ok(match t.dim(0)? {
+                rows if rows > positions => t.narrow(0, 0, positions)?.copy()?,
+                _ => t.clone(),
+            })
+        };
+        (self.cos, self.sin) = (trim(&self.cos)?, trim(&self.sin)?);
+        if let Some((cos, sin)) = &self.local_rope {
+            self.local_rope = Some((trim(cos)?, trim(sin)?));
+        }
+        Ok(())
+    }
+
     /// Builds the model from a checkpoint's tensors. A tensor of the checkpoint that the
     /// configured architecture does not use is refused (`UnusedTensor`): it means a setting
     /// the engine did not read.
@@ -176,14 +195,20 @@ impl Model {
         let (hidden, kv_width) = (c.hidden_size, c.kv_width());
         let q_width = c.num_heads * c.head_dim;
         let embed_raw = required(source, "token_embd.weight", &[c.vocab_size, hidden])?;
-        let embed = Embedding::new(&embed_raw, device)?;
+        let mut embed = Embedding::new(&embed_raw, device)?;
         let norm = dense_vector(required(source, "output_norm.weight", &[hidden])?, device)?;
         let lm_head = match source.take("output.weight")? {
             Some(w) => {
                 check_shape("output.weight", &w, &[c.vocab_size, hidden])?;
                 linear(vec![w], format, device)?
             }
-            None => linear(vec![embed_raw], format, device)?,
+            None => {
+                let head = linear(vec![embed_raw], format, device)?;
+                if let Linear::Wq(w) = &head {
+                    embed = Embedding::Tied(Arc::clone(w));
+                }
+                head
+            }
         };
         let mut fingerprint_data = format!("{config:?}|{format:?}").into_bytes();
         fingerprint_data.extend(norm.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()));
@@ -357,8 +382,9 @@ impl Model {
             }
             let start = seq.kv.len();
             let end = start + n;
-            if end > c.max_position {
-                return Err(EngineError::ContextOverflow { tokens: end, max: c.max_position });
+            let max = c.max_position.min(self.cos.dim(0)?);
+            if end > max {
+                return Err(EngineError::ContextOverflow { tokens: end, max });
             }
             seq.kv.blocks_mut().ensure_tokens(end)?;
             cache.check_blocks(seq.kv.blocks().ids())?;
@@ -566,7 +592,7 @@ fn linear(parts: Vec<RawTensor>, format: WeightFormat, device: &Device) -> Resul
     });
     if let (WeightFormat::Wq, Device::Cpu, Some(q)) = (format, device, repackable.collect::<Option<Vec<_>>>()) {
         if k.is_multiple_of(crate::matmul_wq::QK) {
-            return Ok(Linear::Wq(WqWeight::from_parts(&q)?));
+            return Ok(Linear::Wq(Arc::new(WqWeight::from_parts(&q)?)));
         }
     }
     if keep_stored {

@@ -90,6 +90,9 @@ fn main() -> anyhow::Result<()> {
     let options = LoadOptions { weights: args.weights, device: args.device };
     let engine =
         Engine::load(&args.model, options, cache).with_context(|| format!("loading {}", args.model.display()))?;
+    // Resident right after the load: the weights and the tokenizer (the KV pool's pages are
+    // not touched yet).
+    let loaded_mib = status_mib("VmRSS:");
     println!(
         "model {} | device {:?} | weights {:?} | KV cache {:?} | threads {} | SIMD {}",
         args.model.display(),
@@ -195,6 +198,9 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(rss) = peak_rss_mib() {
         println!("| peak RSS | {rss:.0} MiB |");
+        if let Some(loaded) = loaded_mib {
+            println!("| RSS after the load | {loaded:.0} MiB |");
+        }
         if let Some(now) = status_mib("VmRSS:") {
             println!("| RSS at the end | {now:.0} MiB |");
         }
