@@ -8,4 +8,5 @@
 pub mod loadgen;
 pub mod plan;
 pub mod profile;
+pub mod roofline;
 pub mod simulate;

@@ -307,6 +307,8 @@ pub async fn run(prefill_addr: &str, decode_addr: &str, p: &Plan) -> anyhow::Res
             max_position: p.max_position,
         },
         wide,
+        // A fit is linear in the context; a windowed model's measured points bend it instead.
+        window: None,
     };
     cost.validate()?;
     Ok(score(cost, prefill_points, decode_points, &p.step))
@@ -341,6 +343,7 @@ mod tests {
             kv: KvCost { bytes_per_token: 1, commit_fixed_ms: 0.0, commit_ms_per_mb: 0.0 },
             worker: WorkerShape { block_size: 16, kv_blocks: 1, max_batch: 1, max_position: 4096 },
             wide: Some(WideForward { rows: SMALL_ROWS, extra_ms: 60.0 }),
+            window: None,
         };
         let points: Vec<(usize, f64)> =
             [8, 16, 32, 128, 512, 1024, 2048].iter().map(|&n| (n, predict_prefill(&truth, n, &step))).collect();

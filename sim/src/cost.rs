@@ -24,6 +24,45 @@ pub struct WorkerCost {
     /// small-batch kernel ends at 16 rows; wider forwards convert the f16 weights first).
     #[serde(default)]
     pub wide: Option<WideForward>,
+    /// Sliding-window layers (Mistral, Gemma 2 and 3, Phi-3 where set), whose attention
+    /// stops growing with the context at the window.
+    #[serde(default)]
+    pub window: Option<AttentionWindow>,
+}
+
+/// Layers whose attention sees only the last `tokens` keys: on them, `share` of the
+/// attention cost (prefill `per_pair_us`, decode `per_context_us`) is paid for at most
+/// `tokens` keys per query. KV memory (`kv.bytes_per_token`, `worker.kv_blocks`) is not
+/// reduced: pd keeps every layer's KV for every position.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AttentionWindow {
+    pub tokens: u32,
+    /// Fraction of the layers (of the attention cost) that slide.
+    pub share: f64,
+}
+
+impl AttentionWindow {
+    /// Key-query pairs of a chunk of `t` queries after `ctx` keys, each query seeing every
+    /// earlier key (`full`), and with the window (`windowed`): the cost model's
+    /// `t * (ctx + t/2)`, with the part beyond the window cut off.
+    #[cfg(test)]
+    pub(crate) fn pairs_for_test(self, t: f64, ctx: f64) -> (f64, f64) {
+        self.pairs(t, ctx)
+    }
+
+    fn pairs(self, t: f64, ctx: f64) -> (f64, f64) {
+        let w = f64::from(self.tokens);
+        let full = t * (ctx + t / 2.0);
+        let windowed = if ctx + t <= w {
+            full
+        } else if ctx >= w {
+            t * w
+        } else {
+            let below = w - ctx;
+            below * (ctx + below / 2.0) + (t - below) * w
+        };
+        (full, windowed)
+    }
 }
 
 /// The step-cost jump of forwards wider than `rows` rows.
@@ -124,6 +163,14 @@ impl WorkerCost {
                 return Err(CostError::Field { field, rule: "at least 1", value: 0.0 });
             }
         }
+        if let Some(w) = self.window {
+            if w.tokens == 0 {
+                return Err(CostError::Field { field: "window.tokens", rule: "at least 1", value: 0.0 });
+            }
+            if !(0.0..=1.0).contains(&w.share) {
+                return Err(CostError::Field { field: "window.share", rule: "between 0 and 1", value: w.share });
+            }
+        }
         Ok(())
     }
 
@@ -143,17 +190,40 @@ impl WorkerCost {
     }
 
     /// Time of one prefill step over `chunks` (tokens, context before them; context 0 is a
-    /// prompt's first chunk).
+    /// prompt's first chunk). The real planner plans with `prefill_model`, which knows no
+    /// window: it overestimates the steps of a windowed model's long prompts.
     pub fn prefill_step_ms(&self, chunks: &[(usize, usize)]) -> f64 {
         let rows = chunks.iter().map(|c| c.0).sum();
         let first = chunks.iter().filter(|c| c.1 == 0).count() as f64;
         self.prefill_model().predict(chunks).as_secs_f64() * 1e3
             + self.wide_ms(rows)
             + first * self.prefill.per_prompt_ms
+            - chunks.iter().map(|&(t, ctx)| self.pairs_beyond_window_ms(t, ctx)).sum::<f64>()
     }
 
-    /// Time of one decode step: `rows` generating rows over `context` tokens in all, plus
-    /// prompt `chunks` (tokens, context before them) computed in the same step.
+    /// What the window saves on a chunk of `t` tokens after `ctx` (0 without a window).
+    fn pairs_beyond_window_ms(&self, t: usize, ctx: usize) -> f64 {
+        self.window.map_or(0.0, |w| {
+            let (full, windowed) = w.pairs(t as f64, ctx as f64);
+            w.share * (full - windowed) * self.prefill.per_pair_us / 1e3
+        })
+    }
+
+    /// The context a decode row at `context` tokens costs (`decode_step_ms` takes the sum
+    /// over rows): all of it, less what sliding-window layers do not read.
+    pub fn attended(&self, context: usize) -> usize {
+        match self.window {
+            Some(w) if context > w.tokens as usize => {
+                let beyond = (context - w.tokens as usize) as f64;
+                (context as f64 - w.share * beyond).round() as usize
+            }
+            _ => context,
+        }
+    }
+
+    /// Time of one decode step: `rows` generating rows over `context` tokens in all (each
+    /// row's `attended` context), plus prompt `chunks` (tokens, context before them) computed
+    /// in the same step.
     pub fn decode_step_ms(&self, rows: usize, context: usize, chunks: &[(usize, usize)]) -> f64 {
         let d = &self.decode;
         let width = rows + chunks.iter().map(|c| c.0).sum::<usize>();
@@ -161,7 +231,8 @@ impl WorkerCost {
             d.fixed_ms + d.per_row_ms * rows as f64 + d.per_context_us * context as f64 / 1e3 + self.wide_ms(width);
         for &(t, ctx) in chunks {
             let pairs = t as f64 * (ctx as f64 + t as f64 / 2.0);
-            ms += self.prefill.per_token_ms * t as f64 + self.prefill.per_pair_us * pairs / 1e3;
+            ms += self.prefill.per_token_ms * t as f64 + self.prefill.per_pair_us * pairs / 1e3
+                - self.pairs_beyond_window_ms(t, ctx);
             if ctx == 0 {
                 ms += self.prefill.per_prompt_ms;
             }
@@ -217,6 +288,7 @@ pub(crate) mod tests {
             kv: KvCost { bytes_per_token: 1_000_000, commit_fixed_ms: 1.0, commit_ms_per_mb: 0.5 },
             worker: WorkerShape { block_size: 16, kv_blocks: 100, max_batch: 8, max_position: 2048 },
             wide: None,
+            window: None,
         }
     }
 

@@ -322,7 +322,7 @@ pub(crate) fn plan_step(cost: &WorkerCost, rows: &[StepRow], takes: &mut Vec<usi
     takes.clear();
     if rows.iter().all(|q| q.prompt_left == 0) {
         takes.resize(rows.len(), 1);
-        let context = rows.iter().map(|q| q.prompt + q.generated).sum();
+        let context = rows.iter().map(|q| cost.attended(q.prompt + q.generated)).sum();
         return cost.decode_step_ms(rows.len(), context, &[]);
     }
     let kinds: Vec<Row> = rows
@@ -338,7 +338,7 @@ pub(crate) fn plan_step(cost: &WorkerCost, rows: &[StepRow], takes: &mut Vec<usi
             }
         } else {
             decoding += 1;
-            context += q.prompt + q.generated;
+            context += cost.attended(q.prompt + q.generated);
         }
     }
     cost.decode_step_ms(decoding, context, &chunks)

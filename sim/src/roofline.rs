@@ -11,10 +11,16 @@
 //!   reads every row's KV (per token of context).
 //! - KV hand-off: K and V of every layer per token; layers before the last overlap the
 //!   compute, so the commit waits for one layer's bytes over the link plus a round trip.
+//! - sliding-window layers (Mistral, Gemma 2 and 3, Phi-3 where set) attend over at most
+//!   their window: their share of the attention cost stops growing there (`AttentionWindow`);
+//!   their KV memory does not shrink, as pd keeps every layer's KV.
+//!
+//! A model is named (`model`) or given by its geometry (`Geometry`, e.g. read by `pd-bench
+//! roofline --model` from a config.json or GGUF header), which also gives its parameters.
 
 use serde::{Deserialize, Serialize};
 
-use crate::cost::{DecodeCost, KvCost, PrefillCost, WorkerCost, WorkerShape};
+use crate::cost::{AttentionWindow, DecodeCost, KvCost, PrefillCost, WorkerCost, WorkerShape};
 
 /// One worker's hardware (all its GPUs together under tensor parallelism).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -50,6 +56,57 @@ pub struct ModelShape {
     /// Bytes per KV value (2 for f16).
     pub kv_value_bytes: f64,
     pub max_position: u32,
+    /// Sliding-window layers, if any.
+    #[serde(default)]
+    pub window: Option<AttentionWindow>,
+}
+
+/// A decoder's geometry as its config states it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Geometry {
+    pub vocab: u64,
+    pub hidden: u64,
+    pub ffn: u64,
+    pub layers: u32,
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub max_position: u32,
+    /// The output projection is the embedding table.
+    pub tied: bool,
+    /// Window size and how many layers slide.
+    pub window: Option<(u32, u32)>,
+}
+
+impl ModelShape {
+    /// The shape of a decoder of this geometry with bf16 weights and an f16 KV cache:
+    /// parameters are Q, K, V and output projections, the gated MLP (three matrices) of each
+    /// layer, the embedding table and, when untied, the output projection (norms and biases
+    /// are under 0.1%).
+    pub fn from_geometry(name: &str, g: &Geometry) -> ModelShape {
+        let q_width = u64::from(g.heads * g.head_dim);
+        let kv_width = u64::from(g.kv_heads * g.head_dim);
+        let per_layer = g.hidden * (q_width + 2 * kv_width) + q_width * g.hidden + 3 * g.hidden * g.ffn;
+        let tables = if g.tied { 1 } else { 2 };
+        let params = u64::from(g.layers) * per_layer + tables * g.vocab * g.hidden;
+        ModelShape {
+            name: name.into(),
+            params: params as f64,
+            layers: g.layers,
+            heads: g.heads,
+            kv_heads: g.kv_heads,
+            head_dim: g.head_dim,
+            weight_bytes: 2.0,
+            kv_value_bytes: 2.0,
+            max_position: g.max_position,
+            window: g.window.filter(|&(tokens, layers)| tokens > 0 && layers > 0 && tokens < g.max_position).map(
+                |(tokens, layers)| AttentionWindow {
+                    tokens,
+                    share: f64::from(layers.min(g.layers)) / f64::from(g.layers.max(1)),
+                },
+            ),
+        }
+    }
 }
 
 /// Named hardware: `h100`, `h200` (SXM, bf16 dense peak, 400 Gb/s NIC per GPU).
@@ -62,8 +119,37 @@ pub fn hardware(name: &str, gpus: u32) -> Option<Hardware> {
     Some(Hardware { name: name.into(), tflops, hbm_gb_s, hbm_gb, link_gb_s: 50.0, gpus, mfu: 0.5, mbu: 0.7 })
 }
 
-/// Named models: `llama-8b` (Llama-3.1-8B), `llama-70b` (Llama-3.1-70B), `smollm2-135m`.
+/// Names `model` knows.
+pub const MODELS: &str = "llama-8b, llama-70b, smollm2-135m, qwen2.5-7b, qwen3-8b, mistral-7b, gemma-2-9b, gemma-3-12b";
+
+/// Named models: `llama-8b` (Llama-3.1-8B), `llama-70b` (Llama-3.1-70B), `smollm2-135m`
+/// (published parameter counts), and by their configs' geometry Qwen2.5-7B, Qwen3-8B,
+/// Mistral-7B v0.3, Gemma-2-9B (every other layer slides over 4,096 keys) and Gemma-3-12B
+/// (5 of 6 layers slide over 1,024).
 pub fn model(name: &str) -> Option<ModelShape> {
+    let geometry = |vocab, hidden, ffn, layers, heads, kv_heads, head_dim, max_position, tied, window| Geometry {
+        vocab,
+        hidden,
+        ffn,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        max_position,
+        tied,
+        window,
+    };
+    let by_geometry = match name {
+        "qwen2.5-7b" => Some(geometry(152_064, 3584, 18_944, 28, 28, 4, 128, 32_768, false, None)),
+        "qwen3-8b" => Some(geometry(151_936, 4096, 12_288, 36, 32, 8, 128, 40_960, false, None)),
+        "mistral-7b" => Some(geometry(32_768, 4096, 14_336, 32, 32, 8, 128, 32_768, false, None)),
+        "gemma-2-9b" => Some(geometry(256_000, 3584, 14_336, 42, 16, 8, 256, 8192, true, Some((4096, 21)))),
+        "gemma-3-12b" => Some(geometry(262_208, 3840, 15_360, 48, 16, 8, 256, 131_072, true, Some((1024, 40)))),
+        _ => None,
+    };
+    if let Some(g) = by_geometry {
+        return Some(ModelShape::from_geometry(name, &g));
+    }
     let (params, layers, heads, kv_heads, head_dim, max_position) = match name {
         "llama-8b" => (8.03e9, 32, 32, 8, 128, 131_072),
         "llama-70b" => (70.6e9, 80, 64, 8, 128, 131_072),
@@ -80,6 +166,7 @@ pub fn model(name: &str) -> Option<ModelShape> {
         weight_bytes: 2.0,
         kv_value_bytes: 2.0,
         max_position,
+        window: None,
     })
 }
 
@@ -112,9 +199,12 @@ pub fn roofline(hw: &Hardware, m: &ModelShape, block_size: u32, max_batch: u32) 
     }
     let kv_blocks = (kv_memory / (kv_per_token * f64::from(block_size))).floor().min(f64::from(u32::MAX)) as u32;
     let link = hw.link_gb_s * 1e9 * gpus;
+    let window = m.window.map_or(String::new(), |w| {
+        format!("; {:.0}% of the layers attend over the last {} keys only", w.share * 100.0, w.tokens)
+    });
     let source = format!(
         "roofline: {} on {} x {} ({} TFLOP/s, {} GB/s, {} GB each; prefill at {:.0}% of peak FLOP/s, decode at {:.0}% of \
-         bandwidth; KV over {} GB/s per GPU, one layer after the compute + 0.1 ms); {:.1} GB weights, {} bytes of KV per token",
+         bandwidth; KV over {} GB/s per GPU, one layer after the compute + 0.1 ms); {:.1} GB weights, {} bytes of KV per token{}",
         m.name,
         hw.gpus,
         hw.name,
@@ -125,7 +215,8 @@ pub fn roofline(hw: &Hardware, m: &ModelShape, block_size: u32, max_batch: u32) 
         hw.mbu * 100.0,
         hw.link_gb_s,
         weights / 1e9,
-        kv_per_token
+        kv_per_token,
+        window
     );
     Ok(WorkerCost {
         source,
@@ -147,6 +238,7 @@ pub fn roofline(hw: &Hardware, m: &ModelShape, block_size: u32, max_batch: u32) 
         },
         worker: WorkerShape { block_size, kv_blocks, max_batch, max_position: m.max_position },
         wide: None,
+        window: m.window,
     })
 }
 
@@ -169,6 +261,47 @@ mod tests {
         assert_eq!(c.worker.kv_blocks, 52_852);
         assert!(c.source.contains("h200") && c.source.contains("50%"));
         c.validate().expect("valid");
+    }
+
+    #[test]
+    fn geometry_gives_the_published_parameter_counts_and_windows() {
+        // Qwen2.5-7B: 7.61B; Qwen3-8B: 8.19B; Mistral-7B v0.3: 7.25B; Gemma-2-9B: 9.24B
+        // (the model cards), each within 0.5% (norms and biases are left out).
+        for (name, published) in
+            [("qwen2.5-7b", 7.61e9), ("qwen3-8b", 8.19e9), ("mistral-7b", 7.25e9), ("gemma-2-9b", 9.24e9)]
+        {
+            let m = model(name).expect(name);
+            assert!((m.params / published - 1.0).abs() < 0.005, "{name}: {} vs {published}", m.params);
+        }
+        let g3 = model("gemma-3-12b").expect("gemma-3-12b");
+        assert_eq!(g3.window, Some(AttentionWindow { tokens: 1024, share: 40.0 / 48.0 }));
+        assert_eq!(model("qwen3-8b").expect("qwen3").window, None);
+    }
+
+    /// Gemma-2-9B's sliding layers make long contexts cheaper than full attention would,
+    /// and cost exactly as much below the window.
+    #[test]
+    fn windows_cut_attention_beyond_the_window_only() {
+        let hw = hardware("h200", 1).expect("h200");
+        let windowed = roofline(&hw, &model("gemma-2-9b").expect("gemma"), 16, 256).expect("fits");
+        let full = WorkerCost { window: None, ..windowed.clone() };
+        assert!(windowed.source.contains("50% of the layers attend over the last 4096 keys"), "{}", windowed.source);
+        for (rows, context) in [(1, 1000), (8, 4096)] {
+            let (w, f) = (windowed.attended(context), full.attended(context));
+            assert_eq!(w, f, "below the window");
+            assert_eq!(windowed.decode_step_ms(rows, rows * w, &[]), full.decode_step_ms(rows, rows * f, &[]));
+        }
+        // 8,000 keys: half the layers read 4,096 of them.
+        assert_eq!(windowed.attended(8000), 8000 - (8000 - 4096) / 2);
+        assert_eq!(windowed.prefill_step_ms(&[(512, 0)]), full.prefill_step_ms(&[(512, 0)]));
+        let (w, f) = (windowed.prefill_step_ms(&[(2048, 6000)]), full.prefill_step_ms(&[(2048, 6000)]));
+        // Full: 2048 x (6000 + 1024) pairs; windowed half: 2048 x 4096.
+        let saved = 0.5 * 2048.0 * (7024.0 - 4096.0) * windowed.prefill.per_pair_us / 1e3;
+        assert!((f - w - saved).abs() < 1e-9, "{f} - {w} vs {saved}");
+        // A chunk across the window's edge: 100 queries from 4,000 keys.
+        let (full_pairs, windowed_pairs) = windowed.window.expect("window").pairs_for_test(100.0, 4000.0);
+        assert_eq!(full_pairs, 100.0 * 4050.0);
+        assert_eq!(windowed_pairs, 96.0 * 4048.0 + 4.0 * 4096.0);
     }
 
     #[test]

@@ -231,14 +231,17 @@ enum Command {
         #[command(flatten)]
         step: pd_prefill::step::StepArgs,
     },
-    /// A cost model from a roofline: named hardware (h100, h200) and model (llama-8b,
-    /// llama-70b, smollm2-135m), with the efficiencies assumed.
+    /// A cost model from a roofline: named hardware (h100, h200) and a model, with the
+    /// efficiencies assumed.
     Roofline {
         #[arg(long)]
         hardware: String,
         /// GPUs per worker (tensor parallel).
         #[arg(long, default_value_t = 1)]
         gpus: u32,
+        /// A named model (llama-8b, llama-70b, qwen3-8b, gemma-2-9b, ...), or any model pd
+        /// serves given by its config: a GGUF file, a Hugging Face folder or its config.json
+        /// (no weights needed).
         #[arg(long)]
         model: String,
         #[arg(long)]
@@ -423,8 +426,7 @@ async fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("--hardware {hardware:?}: known are h100, h200"))?;
             hw.mfu = mfu;
             hw.mbu = mbu;
-            let m = pd_sim::roofline::model(&model)
-                .with_context(|| format!("--model {model:?}: known are llama-8b, llama-70b, smollm2-135m"))?;
+            let m = pd_bench::roofline::model_shape(&model)?;
             let cost = pd_sim::roofline::roofline(&hw, &m, block_size, max_batch)?;
             write_json(&out, &cost)?;
         }

@@ -462,7 +462,8 @@ fn normal_quantile(q: f64) -> f64 {
 
 fn decode_batch(cost: &WorkerCost, mean_in: f64, mean_out: f64, itl: f64, warnings: &mut Vec<String>) -> DecodeBatch {
     let mean_context = mean_in + mean_out / 2.0;
-    let step = |b: usize| cost.decode_step_ms(b, (b as f64 * mean_context).round() as usize, &[]);
+    let attended = cost.attended(mean_context.round() as usize);
+    let step = |b: usize| cost.decode_step_ms(b, b * attended, &[]);
     let max = cost.worker.max_batch as usize;
     let itl_limit = (1..=max).take_while(|&b| step(b) <= itl).last().unwrap_or(0);
     let blocks_per_sequence = cost.blocks_for((mean_in + mean_out).ceil() as usize).max(1);

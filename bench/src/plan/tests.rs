@@ -13,6 +13,7 @@ fn cost(kv_blocks: u32) -> WorkerCost {
         kv: KvCost { bytes_per_token: 1000, commit_fixed_ms: 0.0, commit_ms_per_mb: 0.0 },
         worker: WorkerShape { block_size: 16, kv_blocks, max_batch: 8, max_position: 4096 },
         wide: None,
+        window: None,
     }
 }
 

@@ -25,20 +25,32 @@ fn folder_err(path: &Path, reason: impl Into<String>) -> EngineError {
     EngineError::ModelFolder { path: path.to_path_buf(), reason: reason.into() }
 }
 
+/// A config.json (`path`, in `folder`): the language model's config and whether the
+/// checkpoint is multimodal.
+fn read_config(folder: &Path, path: &Path) -> Result<(HfConfig, bool)> {
+    if !path.is_file() {
+        return Err(folder_err(folder, "no config.json"));
+    }
+    let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io { path: path.to_path_buf(), source })?;
+    let raw: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| folder_err(folder, format!("config.json: {e}")))?;
+    let (raw, multimodal) = language_config(raw)?;
+    let config: HfConfig = serde_json::from_value(raw).map_err(|e| folder_err(folder, format!("config.json: {e}")))?;
+    config.family()?;
+    Ok((config, multimodal))
+}
+
+/// The model config of a config.json alone (no weights), and whether the output projection
+/// is the embedding table: for planning a model pd serves without downloading it.
+pub fn config_only(path: &Path) -> Result<(ModelConfig, bool)> {
+    let folder = path.parent().unwrap_or(path);
+    let (config, _) = read_config(folder, path)?;
+    Ok((config.model_config()?, config.tied_embeddings()))
+}
+
 impl HfFolder {
     pub fn open(path: &Path, device: &Device) -> Result<Self> {
-        let config_path = path.join("config.json");
-        if !config_path.is_file() {
-            return Err(folder_err(path, "no config.json"));
-        }
-        let text = std::fs::read_to_string(&config_path)
-            .map_err(|source| EngineError::Io { path: config_path.clone(), source })?;
-        let raw: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| folder_err(path, format!("config.json: {e}")))?;
-        let (raw, multimodal) = language_config(raw)?;
-        let config: HfConfig =
-            serde_json::from_value(raw).map_err(|e| folder_err(path, format!("config.json: {e}")))?;
-        config.family()?;
+        let (config, multimodal) = read_config(path, &path.join("config.json"))?;
         let mut files: Vec<PathBuf> = std::fs::read_dir(path)
             .map_err(|source| EngineError::Io { path: path.to_path_buf(), source })?
             .filter_map(|e| e.ok().map(|e| e.path()))

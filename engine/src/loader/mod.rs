@@ -8,10 +8,24 @@ mod hf_config;
 
 pub use hf_config::Family;
 
-use candle_core::quantized::QTensor;
-use candle_core::Tensor;
+use std::path::Path;
 
+use candle_core::quantized::QTensor;
+use candle_core::{Device, Tensor};
+
+use crate::config::ModelConfig;
 use crate::error::Result;
+
+/// A checkpoint's model config without its weights, for planning (`pd-bench roofline`): a
+/// GGUF file (its header), a Hugging Face folder or a config.json alone. Also whether the
+/// output projection is the token embedding table (tied).
+pub fn read_config(path: &Path) -> Result<(ModelConfig, bool)> {
+    if path.is_file() && path.extension().is_some_and(|e| e == "gguf") {
+        let file = gguf::GgufFile::open(path, &Device::Cpu)?;
+        return Ok((file.model_config()?, !file.contains("output.weight")));
+    }
+    hf::config_only(&if path.is_dir() { path.join("config.json") } else { path.to_path_buf() })
+}
 
 /// A weight as stored: block-quantized or dense. (One per weight, only while loading: the
 /// size gap between the variants, wide with CUDA storage, costs nothing worth a box.)
