@@ -67,6 +67,23 @@ pub struct DecoderParts {
     /// unchanged (Phi-4-mini's `partial_rotary_factor`, GGUF's `rope.dimension_count` below
     /// the head width). `None`: the whole head.
     pub rotary_dim: Option<usize>,
+    /// Mixture-of-experts MLPs in place of the dense one (Qwen3-MoE).
+    pub moe: Option<MoeConfig>,
+}
+
+/// A mixture-of-experts MLP (Qwen3-MoE): a router picks `top_k` of `experts` gated MLPs of
+/// width `ffn` per token, from a softmax over the router's logits; their outputs are summed
+/// weighted by those probabilities (renormalised to sum to 1 when `norm_top_k`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub experts: usize,
+    pub top_k: usize,
+    /// Width of each expert's MLP (`moe_intermediate_size`).
+    pub ffn: usize,
+    pub norm_top_k: bool,
+    /// `layers[i]`: whether layer `i`'s MLP is the experts (the others keep the dense MLP
+    /// of `intermediate_size`).
+    pub layers: Vec<bool>,
 }
 
 /// Sliding-window attention: in the layers it names, a query at position `p` sees the keys
@@ -163,6 +180,21 @@ impl ModelConfig {
                 return Err(EngineError::Metadata(format!(
                     "sliding-window layer list has {} entries for {} layers",
                     w.layers.len(),
+                    self.num_layers
+                )));
+            }
+        }
+        if let Some(m) = &self.parts.moe {
+            if m.experts == 0 || m.ffn == 0 || m.top_k == 0 || m.top_k > m.experts {
+                return Err(EngineError::Metadata(format!(
+                    "mixture of experts: {} of {} experts of width {} (each must be positive, top-k at most the experts)",
+                    m.top_k, m.experts, m.ffn
+                )));
+            }
+            if m.layers.len() != self.num_layers {
+                return Err(EngineError::Metadata(format!(
+                    "expert layer list has {} entries for {} layers",
+                    m.layers.len(),
                     self.num_layers
                 )));
             }

@@ -1,4 +1,5 @@
-//! pd-engine: inference for Llama-style decoders (Llama 3.x, Qwen2/2.5, Qwen3) on candle for a disaggregated server.
+//! pd-engine: inference for Llama-style decoders (Llama 3.x, Mistral, Qwen2/2.5, Qwen3 and
+//! Qwen3-MoE, Phi-3, Gemma 2 and 3) on candle for a disaggregated server.
 //!
 //! What it gives the workers: a model whose KV cache is external and paged (`kv`), a forward
 //! pass that batches prefill chunks and decode steps of sequences at different positions
@@ -20,6 +21,7 @@ pub mod loader;
 mod matmul;
 mod matmul_wq;
 pub mod model;
+mod moe;
 pub mod profile;
 pub mod rope;
 pub mod sampling;
@@ -29,7 +31,7 @@ pub mod tokenizer;
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{
     set_compute_threads, Activation, CacheConfig, DecoderParts, DeviceKind, KvCacheDType, LoadOptions, ModelConfig,
-    RopeScaling, RopeStyle, SlidingWindow, WeightFormat,
+    MoeConfig, RopeScaling, RopeStyle, SlidingWindow, WeightFormat,
 };
 pub use constraint::OutputConstraint;
 pub use engine::{load_model, load_text_side, Engine, Generation, LoadedModel, TextSide};

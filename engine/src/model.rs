@@ -1,6 +1,7 @@
 //! The forward pass of Llama-style decoders (Llama, Mistral, Qwen2 with Q/K/V biases, Qwen3
 //! with per-head Q/K norms, Gemma 2 and 3 with their extra norms, caps and sliding-window
-//! layers on a rotary base of their own) over an external paged KV cache, in candle's order:
+//! layers on a rotary base of their own, Qwen3-MoE's experts in `moe.rs`) over an external
+//! paged KV cache, in candle's order:
 //! config, small blocks with `load`, then the model. The cache is passed in, never owned by
 //! the weights.
 //!
@@ -28,7 +29,7 @@ use crate::profile::{timed, Op};
 /// A projection `x @ W^T`; dense weights are `[out, in]`, f32 or f16 (f16 is widened to f32
 /// for the arithmetic in both paths, so both give the same numbers up to summation order).
 #[derive(Debug)]
-enum Linear {
+pub(crate) enum Linear {
     Dense {
         weight: Tensor,
     },
@@ -55,7 +56,7 @@ fn small_batch_rows() -> usize {
 }
 
 impl Linear {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(match self {
             Linear::Dense { weight } => {
                 if !matches!(x.device(), Device::Cpu) {
@@ -96,8 +97,28 @@ struct Layer {
     post_norms: Option<(Tensor, Tensor)>,
     out: Linear,
     ffn_norm: Tensor,
-    gate_up: Linear,
-    down: Linear,
+    mlp: Mlp,
+}
+
+/// A layer's MLP: gated (gate and up fused into one matmul), or a mixture of such experts.
+#[derive(Debug)]
+enum Mlp {
+    Dense { gate_up: Linear, down: Linear },
+    Experts(crate::moe::Moe),
+}
+
+/// A gated MLP: `down(act(gate(h)) * up(h))`, gate and up as one matmul of `2 * ffn` outputs.
+pub(crate) fn gated_mlp(gate_up: &Linear, down: &Linear, h: &Tensor, ffn: usize, act: Activation) -> Result<Tensor> {
+    let gate_up = timed(Op::Projections, || gate_up.forward(h))?;
+    let act = timed(Op::Activation, || {
+        let gate = gate_up.narrow(1, 0, ffn)?;
+        let gate = match act {
+            Activation::Silu => candle_nn::ops::silu(&gate)?,
+            Activation::GeluTanh => gate.gelu()?,
+        };
+        gate * gate_up.narrow(1, ffn, ffn)?
+    })?;
+    timed(Op::Projections, || down.forward(&act))
 }
 
 /// A sequence's share of a forward batch.
@@ -233,16 +254,10 @@ impl Model {
             let mut req = |part: &str, shape: &[usize]| required(source, &name(part), shape);
             let out = req("attn_output", &[hidden, q_width])?;
             let ffn_norm = dense_vector(req("ffn_norm", &[hidden])?, device)?;
-            let ffn = c.intermediate_size;
-            let gate_up = if source.contains(&name("ffn_gate_up")) {
-                vec![required(source, &name("ffn_gate_up"), &[2 * ffn, hidden])?]
-            } else if !source.contains(&name("ffn_gate")) && source.contains(&name("ffn_up")) {
-                vec![required(source, &name("ffn_up"), &[2 * ffn, hidden])?]
-            } else {
-                let mut req = |part: &str, shape: &[usize]| required(source, &name(part), shape);
-                vec![req("ffn_gate", &[ffn, hidden])?, req("ffn_up", &[ffn, hidden])?]
+            let mlp = match c.parts.moe.as_ref().filter(|m| m.layers[i]) {
+                Some(m) => Mlp::Experts(crate::moe::Moe::load(source, i, m, hidden, format, device)?),
+                None => dense_mlp(source, i, c, format, device)?,
             };
-            let down = required(source, &name("ffn_down"), &[hidden, ffn])?;
             let qkv_bias = if c.parts.qkv_bias {
                 let parts = [("attn_q", q_width), ("attn_k", kv_width), ("attn_v", kv_width)];
                 let parts = parts.iter().map(|&(part, width)| {
@@ -278,8 +293,7 @@ impl Model {
                 post_norms,
                 out: linear(vec![out], format, device)?,
                 ffn_norm,
-                gate_up: linear(gate_up, format, device)?,
-                down: linear(vec![down], format, device)?,
+                mlp,
             });
         }
         if let Some(name) = source.unused().into_iter().next() {
@@ -464,17 +478,10 @@ impl Model {
             }
             x = timed(Op::Residual, || x + out)?;
             let h = timed(Op::Norms, || candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps))?;
-            let gate_up = timed(Op::Projections, || layer.gate_up.forward(&h))?;
-            let ffn = c.intermediate_size;
-            let act = timed(Op::Activation, || {
-                let gate = gate_up.narrow(1, 0, ffn)?;
-                let gate = match c.parts.activation {
-                    Activation::Silu => candle_nn::ops::silu(&gate)?,
-                    Activation::GeluTanh => gate.gelu()?,
-                };
-                gate * gate_up.narrow(1, ffn, ffn)?
-            })?;
-            let mut down = timed(Op::Projections, || layer.down.forward(&act))?;
+            let mut down = match &layer.mlp {
+                Mlp::Dense { gate_up, down } => gated_mlp(gate_up, down, &h, c.intermediate_size, c.parts.activation)?,
+                Mlp::Experts(moe) => moe.forward(&h, c.parts.activation)?,
+            };
             if let Some((_, post_ffw)) = &layer.post_norms {
                 down = timed(Op::Norms, || candle_nn::ops::rms_norm(&down, post_ffw, eps))?;
             }
@@ -541,6 +548,28 @@ fn rope_tables(
     Ok(((angles.cos()? * f)?, (angles.sin()? * f)?))
 }
 
+/// Layer `i`'s dense MLP: gate and up apart, fused (`ffn_gate_up`, Phi-3's folders) or as one
+/// `ffn_up` of twice the width (llama.cpp's Phi-3 files).
+fn dense_mlp(
+    source: &mut dyn TensorSource,
+    i: usize,
+    c: &ModelConfig,
+    format: WeightFormat,
+    device: &Device,
+) -> Result<Mlp> {
+    let name = |part: &str| format!("blk.{i}.{part}.weight");
+    let (hidden, ffn) = (c.hidden_size, c.intermediate_size);
+    let gate_up = if source.contains(&name("ffn_gate_up")) {
+        vec![required(source, &name("ffn_gate_up"), &[2 * ffn, hidden])?]
+    } else if !source.contains(&name("ffn_gate")) && source.contains(&name("ffn_up")) {
+        vec![required(source, &name("ffn_up"), &[2 * ffn, hidden])?]
+    } else {
+        vec![required(source, &name("ffn_gate"), &[ffn, hidden])?, required(source, &name("ffn_up"), &[ffn, hidden])?]
+    };
+    let down = required(source, &name("ffn_down"), &[hidden, ffn])?;
+    Ok(Mlp::Dense { gate_up: linear(gate_up, format, device)?, down: linear(vec![down], format, device)? })
+}
+
 fn check_shape(name: &str, t: &RawTensor, expected: &[usize]) -> Result<()> {
     let got = t.dims();
     if got != expected {
@@ -549,7 +578,7 @@ fn check_shape(name: &str, t: &RawTensor, expected: &[usize]) -> Result<()> {
     Ok(())
 }
 
-fn required(source: &mut dyn TensorSource, name: &str, shape: &[usize]) -> Result<RawTensor> {
+pub(crate) fn required(source: &mut dyn TensorSource, name: &str, shape: &[usize]) -> Result<RawTensor> {
     let t = source.take(name)?.ok_or_else(|| EngineError::MissingTensor(name.to_string()))?;
     check_shape(name, &t, shape)?;
     Ok(t)
@@ -568,7 +597,7 @@ fn is_block_quantized(dtype: GgmlDType) -> bool {
 const Q8_0_BLOCK: usize = 32;
 
 /// One matmul whose output rows are `parts` stacked (all `[rows_i, k]`).
-fn linear(parts: Vec<RawTensor>, format: WeightFormat, device: &Device) -> Result<Linear> {
+pub(crate) fn linear(parts: Vec<RawTensor>, format: WeightFormat, device: &Device) -> Result<Linear> {
     let k = parts[0].dims()[1];
     let all_quant_dtype = match parts.as_slice() {
         [RawTensor::Quant(first), rest @ ..] => {

@@ -56,6 +56,15 @@ GEMMA3 = {
     "pad_token_id": 0,
 }
 
+QWEN3_MOE = {
+    "head_dim": 32,
+    "use_sliding_window": False,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 48,
+    "norm_topk_prob": True,
+}
+
 CASES = {
     "llama": ("llama", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
@@ -167,6 +176,11 @@ CASES = {
     # settings that differ from Gemma3TextConfig's defaults; tensors under transformers 4's
     # `language_model.model.*` names) beside a tiny vision tower pd does not run.
     "gemma3-multimodal": ("gemma3", GEMMA3),
+    # Qwen3-MoE: 4 experts of width 48, 2 per token, the chosen weights renormalised (as every
+    # Qwen3-MoE checkpoint sets); one file per expert matrix, as the Hub's files are.
+    "qwen3-moe": ("qwen3_moe", QWEN3_MOE),
+    # Experts in every second layer only (`decoder_sparse_step`); the first keeps a dense MLP.
+    "qwen3-moe-step": ("qwen3_moe", {**QWEN3_MOE, "decoder_sparse_step": 2, "norm_topk_prob": False}),
 }
 
 # Standard deviation of the embeddings drawn, where not 1.
@@ -187,6 +201,7 @@ GGUF_ARCH = {
     "phi4-mini": "phi3",
     "gemma2-window": "gemma2",
     "gemma3": "gemma3",
+    "qwen3-moe": "qwen3moe",
 }
 
 PROMPT = [1, 17, 99, 5, 64, 23, 88, 41, 7, 120, 33, 56]
@@ -259,6 +274,10 @@ def write_gguf(path, arch, config, model):
         w.add_final_logit_softcapping(c.final_logit_softcapping)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
+    if arch == "qwen3moe":
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
     if arch in ("phi3", "gemma2", "gemma3") and c.sliding_window is not None:
         w.add_sliding_window(c.sliding_window)
     rope = rope_params.get("rope_type", "default")
@@ -298,6 +317,9 @@ def write_gguf(path, arch, config, model):
         # Phi-3: fused, and llama.cpp names the fused gate/up `ffn_up`.
         "self_attn.qkv_proj.weight": "attn_qkv.weight",
         "mlp.gate_up_proj.weight": "ffn_up.weight",
+        # Qwen3-MoE (transformers keeps each layer's experts stacked, gate and up fused).
+        "mlp.gate.weight": "ffn_gate_inp.weight",
+        "mlp.experts.down_proj": "ffn_down_exps.weight",
     }
     if arch.startswith("gemma"):
         names = {
@@ -320,12 +342,17 @@ def write_gguf(path, arch, config, model):
             out = "output.weight"
         else:
             layer, part = name.removeprefix("model.layers.").split(".", 1)
+            if part == "mlp.experts.gate_up_proj":
+                half = t.shape[1] // 2
+                w.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", t[:, :half].astype(np.float16))
+                w.add_tensor(f"blk.{layer}.ffn_up_exps.weight", t[:, half:].astype(np.float16))
+                continue
             out = f"blk.{layer}.{names[part]}"
             if arch == "llama" and part == "self_attn.q_proj.weight":
                 t = permute(t, c.num_attention_heads)
             if arch == "llama" and part == "self_attn.k_proj.weight":
                 t = permute(t, c.num_key_value_heads)
-        w.add_tensor(out, t.astype(np.float16) if t.ndim == 2 else t)
+        w.add_tensor(out, t.astype(np.float16) if t.ndim >= 2 else t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -12,7 +12,7 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::Device;
 
 use super::{RawTensor, TensorSource};
-use crate::config::{Activation, DecoderParts, ModelConfig, RopeScaling, RopeStyle, SlidingWindow};
+use crate::config::{Activation, DecoderParts, ModelConfig, MoeConfig, RopeScaling, RopeStyle, SlidingWindow};
 use crate::error::{EngineError, Result};
 
 /// An open GGUF file whose tensor data was checked to be all there.
@@ -71,7 +71,7 @@ impl GgufFile {
         let (rope_style, qkv_bias, qk_norm) = match arch.as_str() {
             "llama" => (RopeStyle::Interleaved, false, false),
             "qwen2" => (RopeStyle::Halves, true, false),
-            "qwen3" | "gemma3" => (RopeStyle::Halves, false, true),
+            "qwen3" | "qwen3moe" | "gemma3" => (RopeStyle::Halves, false, true),
             "phi3" | "gemma2" => (RopeStyle::Halves, false, false),
             _ => return Err(EngineError::UnsupportedArchitecture(arch)),
         };
@@ -151,7 +151,24 @@ impl GgufFile {
                 ..Default::default()
             }
         } else {
-            DecoderParts { qkv_bias, qk_norm, sliding_window, rotary_dim, ..Default::default() }
+            // llama.cpp's qwen3moe: every layer's MLP is the experts, the chosen weights
+            // renormalised (`expert_weights_norm`, where a file says otherwise).
+            let moe = match arch.as_str() {
+                "qwen3moe" => Some(MoeConfig {
+                    experts: int("expert_count")?,
+                    top_k: int("expert_used_count")?,
+                    ffn: int("expert_feed_forward_length")?,
+                    norm_top_k: match md.get(&format!("{arch}.expert_weights_norm")) {
+                        Some(v) => v
+                            .to_bool()
+                            .map_err(|e| EngineError::Metadata(format!("`{arch}.expert_weights_norm`: {e}")))?,
+                        None => true,
+                    },
+                    layers: vec![true; num_layers],
+                }),
+                _ => None,
+            };
+            DecoderParts { qkv_bias, qk_norm, sliding_window, rotary_dim, moe, ..Default::default() }
         };
         let default_theta = if arch == "gemma3" { 1_000_000.0 } else { 10_000.0 };
         let config = ModelConfig {

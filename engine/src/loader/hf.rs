@@ -1,5 +1,5 @@
-//! Hugging Face model folders (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, and
-//! the language model of Gemma 3's multimodal checkpoints):
+//! Hugging Face model folders (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 2,
+//! Gemma 3, and the language model of Gemma 3's multimodal checkpoints):
 //! config.json, tokenizer.json, tokenizer_config.json (chat template, optional) and
 //! *.safetensors.
 
@@ -177,14 +177,47 @@ fn hf_name(gguf: &str, gemma: bool) -> Option<String> {
             "ffn_gate.weight" => "mlp.gate_proj.weight",
             "ffn_up.weight" => "mlp.up_proj.weight",
             "ffn_down.weight" => "mlp.down_proj.weight",
+            "ffn_gate_inp.weight" => "mlp.gate.weight",
             _ => return None,
         },
     };
     Some(format!("model.layers.{layer}.{part}"))
 }
 
+/// A GGUF name of stacked experts (`blk.N.ffn_{gate,up,down}_exps.weight`) as the Hugging
+/// Face name of expert `{e}`'s matrix, with `{e}` to fill in.
+fn expert_names(gguf: &str) -> Option<String> {
+    let rest = gguf.strip_prefix("blk.")?;
+    let (layer, part) = rest.split_once('.')?;
+    let proj = match part {
+        "ffn_gate_exps.weight" => "gate_proj",
+        "ffn_up_exps.weight" => "up_proj",
+        "ffn_down_exps.weight" => "down_proj",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.mlp.experts.{{e}}.{proj}.weight"))
+}
+
+impl HfFolder {
+    /// The experts' matrices (one per expert in the folder, as the Hub's Qwen3-MoE files and
+    /// transformers' `save_pretrained` store them) stacked as `[experts, rows, k]`.
+    fn take_experts(&mut self, pattern: &str) -> Result<Option<RawTensor>> {
+        let mut parts = Vec::new();
+        while let Some(t) = self.tensors.remove(&pattern.replace("{e}", &parts.len().to_string())) {
+            parts.push(t);
+        }
+        if parts.is_empty() {
+            return Err(EngineError::MissingTensor(pattern.replace("{e}", "0")));
+        }
+        Ok(Some(RawTensor::Dense(Tensor::stack(&parts, 0)?)))
+    }
+}
+
 impl TensorSource for HfFolder {
     fn take(&mut self, name: &str) -> Result<Option<RawTensor>> {
+        if let Some(pattern) = expert_names(name) {
+            return self.take_experts(&pattern);
+        }
         let Some(hf) = hf_name(name, self.config.norm_offset()) else { return Ok(None) };
         let tied = name == "output.weight" && self.config.tied_embeddings();
         match self.tensors.remove(&hf) {
@@ -202,6 +235,9 @@ impl TensorSource for HfFolder {
     }
 
     fn contains(&self, name: &str) -> bool {
+        if let Some(pattern) = expert_names(name) {
+            return self.tensors.contains_key(&pattern.replace("{e}", "0"));
+        }
         hf_name(name, self.config.norm_offset()).is_some_and(|hf| self.tensors.contains_key(&hf))
     }
 

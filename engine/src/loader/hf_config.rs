@@ -8,7 +8,7 @@
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use crate::config::{Activation, DecoderParts, ModelConfig, RopeScaling, RopeStyle, SlidingWindow};
+use crate::config::{Activation, DecoderParts, ModelConfig, MoeConfig, RopeScaling, RopeStyle, SlidingWindow};
 use crate::error::{EngineError, Result};
 
 /// The decoder families a folder may hold (all in Llama's layout).
@@ -26,6 +26,8 @@ pub enum Family {
     /// Gemma 3 text: Gemma 2's layout with Q/K norms, five sliding-window layers in six
     /// with a rotary base of their own, and (usually) no soft-capping.
     Gemma3,
+    /// Qwen3-MoE: Qwen3's attention, mixture-of-experts MLPs (`moe.rs`).
+    Qwen3Moe,
 }
 
 impl Family {
@@ -42,6 +44,7 @@ impl Family {
             Some("mistral") => Some(Family::Mistral),
             Some("qwen2") => Some(Family::Qwen2),
             Some("qwen3") => Some(Family::Qwen3),
+            Some("qwen3_moe") => Some(Family::Qwen3Moe),
             Some("phi3") => Some(Family::Phi3),
             Some("gemma2") => Some(Family::Gemma2),
             Some("gemma3_text") => Some(Family::Gemma3),
@@ -52,6 +55,7 @@ impl Family {
             "MistralForCausalLM" => Some(Family::Mistral),
             "Qwen2ForCausalLM" => Some(Family::Qwen2),
             "Qwen3ForCausalLM" => Some(Family::Qwen3),
+            "Qwen3MoeForCausalLM" => Some(Family::Qwen3Moe),
             "Phi3ForCausalLM" => Some(Family::Phi3),
             "Gemma2ForCausalLM" => Some(Family::Gemma2),
             "Gemma3ForCausalLM" => Some(Family::Gemma3),
@@ -226,12 +230,47 @@ impl HfConfig {
                 return Err(unsupported(key, format!("{v}")));
             }
         }
-        for key in ["num_experts", "num_local_experts", "n_routed_experts"] {
+        // transformers 5 writes Qwen3-MoE's `num_experts` as `num_local_experts`.
+        let moe_keys: &[&str] = if family == Family::Qwen3Moe { &[] } else { &["num_experts", "num_local_experts"] };
+        for key in moe_keys.iter().chain(&["n_routed_experts", "shared_expert_intermediate_size"]) {
             if self.value(key).and_then(Value::as_u64).is_some_and(|n| n > 0) {
-                return Err(unsupported(key, "mixture-of-experts layers"));
+                return Err(unsupported(key, "mixture-of-experts layers of this kind (Qwen3-MoE's are implemented)"));
             }
         }
         Ok(())
+    }
+
+    /// Qwen3-MoE's experts: `num_experts` MLPs of `moe_intermediate_size`, `num_experts_per_tok`
+    /// per token, in every `decoder_sparse_step`-th layer not in `mlp_only_layers`.
+    fn experts(&self) -> Result<MoeConfig> {
+        let count = |key: &str, default: Option<u64>| -> Result<usize> {
+            match self.value(key) {
+                None => default.map(|d| d as usize).ok_or_else(|| unsupported(key, "missing")),
+                Some(v) => v.as_u64().map(|n| n as usize).ok_or_else(|| unsupported(key, format!("{v} (a count)"))),
+            }
+        };
+        let step = count("decoder_sparse_step", Some(1))?.max(1);
+        let dense: Vec<u64> = match self.value("mlp_only_layers") {
+            None => Vec::new(),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| v.as_u64().ok_or_else(|| unsupported("mlp_only_layers", format!("{v} (a layer index)"))))
+                .collect::<Result<_>>()?,
+            Some(v) => return Err(unsupported("mlp_only_layers", format!("{v} (a list of layers)"))),
+        };
+        let experts = match self.value("num_experts") {
+            Some(_) => count("num_experts", None)?,
+            None => count("num_local_experts", None)?,
+        };
+        Ok(MoeConfig {
+            experts,
+            top_k: count("num_experts_per_tok", None)?,
+            ffn: count("moe_intermediate_size", None)?,
+            norm_top_k: self.flag("norm_topk_prob"),
+            layers: (0..self.num_hidden_layers)
+                .map(|i| !dense.contains(&(i as u64)) && experts > 0 && (i + 1).is_multiple_of(step))
+                .collect(),
+        })
     }
 
     /// The rotary scheme and base, from `rope_parameters` or `rope_scaling` + `rope_theta`.
@@ -377,7 +416,7 @@ impl HfConfig {
     /// Gemma 3; Qwen's only with `use_sliding_window`: `layer_types`, else the layers from
     /// `max_window_layers` on; transformers' rules). `None` where no layer slides.
     fn sliding_window(&self, family: Family) -> Result<Option<SlidingWindow>> {
-        let qwen = matches!(family, Family::Qwen2 | Family::Qwen3);
+        let qwen = matches!(family, Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe);
         if qwen && !self.flag("use_sliding_window") {
             return Ok(None);
         }
@@ -398,6 +437,8 @@ impl HfConfig {
                 };
                 (0..n).map(|i| i as u64 >= first).collect()
             }
+            // transformers' Qwen3-MoE slides in every layer when it slides at all.
+            (Family::Qwen3Moe, _) => vec![true; n],
             (Family::Gemma2, _) => (0..n).map(|i| !(i + 1).is_multiple_of(2)).collect(),
             (Family::Gemma3, _) => {
                 let pattern = match self.value("sliding_window_pattern") {
@@ -423,6 +464,7 @@ impl HfConfig {
         let parts = match family {
             Family::Qwen2 => DecoderParts { qkv_bias: true, ..Default::default() },
             Family::Qwen3 => DecoderParts { qk_norm: true, ..Default::default() },
+            Family::Qwen3Moe => DecoderParts { qk_norm: true, moe: Some(self.experts()?), ..Default::default() },
             Family::Gemma2 | Family::Gemma3 => DecoderParts {
                 qk_norm: family == Family::Gemma3,
                 post_norms: true,
@@ -521,6 +563,34 @@ mod tests {
         }
         let err = config(serde_json::json!({"model_type": "gemma3n_text", "architectures": ["Gemma3nForCausalLM"]}));
         assert!(matches!(err, Err(EngineError::UnsupportedArchitecture(a)) if a == "gemma3n_text"));
+    }
+
+    /// Qwen3-30B-A3B's expert settings (the Hub's `num_experts`; transformers 5 writes
+    /// `num_local_experts`), a sparse step and dense layers; other expert schemes refused.
+    #[test]
+    fn qwen3_moe_experts_are_read_and_other_expert_schemes_refused() {
+        let moe = |extra: Value| {
+            let mut c = serde_json::json!({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                "num_hidden_layers": 4, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                "norm_topk_prob": true});
+            c.as_object_mut().expect("object").extend(extra.as_object().expect("object").clone());
+            config(c)
+        };
+        let m = moe(serde_json::json!({"num_experts": 128})).expect("valid").parts.moe.expect("experts");
+        assert_eq!((m.experts, m.top_k, m.ffn, m.norm_top_k), (128, 8, 768, true));
+        assert_eq!(m.layers, [true; 4]);
+        let m = moe(serde_json::json!({"num_local_experts": 16, "decoder_sparse_step": 2, "mlp_only_layers": [3]}))
+            .expect("valid")
+            .parts
+            .moe
+            .expect("experts");
+        assert_eq!((m.experts, m.layers), (16, vec![false, true, false, false]));
+        let err = moe(serde_json::json!({"num_experts": 4, "num_experts_per_tok": 5})).expect_err("5 of 4");
+        assert!(err.to_string().contains("5 of 4 experts"), "{err}");
+        let err = moe(serde_json::json!({"n_routed_experts": 64})).expect_err("DeepSeek's experts");
+        assert!(err.to_string().contains("n_routed_experts"), "{err}");
+        let err = config(serde_json::json!({"num_experts": 4})).expect_err("a Llama with experts");
+        assert!(err.to_string().contains("num_experts"), "{err}");
     }
 
     /// gemma-3-4b-it's config.json as the Hub has it: the text model's settings under
