@@ -27,6 +27,12 @@ pub fn model_shape(model: &str) -> anyhow::Result<pd_sim::roofline::ModelShape> 
         max_position: c.max_position as u32,
         tied,
         window,
+        experts: c.parts.moe.as_ref().map(|m| pd_sim::roofline::Experts {
+            count: m.experts as u64,
+            per_token: m.top_k as u64,
+            ffn: m.ffn as u64,
+            layers: m.layers.iter().filter(|&&e| e).count() as u32,
+        }),
     };
     let name = path.file_stem().map_or_else(|| model.to_string(), |s| s.to_string_lossy().into_owned());
     Ok(pd_sim::roofline::ModelShape::from_geometry(&name, &geometry))
@@ -55,6 +61,14 @@ mod tests {
         );
         assert_eq!(qwen_json.params, qwen_gguf.params);
         assert!(qwen_json.window.is_none());
+        // Qwen3-MoE: 4 experts of 48, 2 per token, in both layers (hidden 64).
+        let moe = model_shape(&fixture("qwen3-moe"))?;
+        let active = moe.active_params.context("active weights")?;
+        assert_eq!(
+            moe.params - active,
+            2.0 * (2.0 * 3.0 * 64.0 * 48.0) + 128.0 * 64.0,
+            "2 idle experts x 2 layers + embedding"
+        );
         // Named models still work; an unknown name lists the known ones.
         assert_eq!(model_shape("qwen3-8b")?.layers, 36);
         let e = model_shape("no-such-model").expect_err("unknown");

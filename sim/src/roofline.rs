@@ -46,7 +46,13 @@ pub struct Hardware {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelShape {
     pub name: String,
+    /// Every weight: what memory holds and what a decode step reads (at batch sizes where a
+    /// mixture of experts' tokens reach most experts).
     pub params: f64,
+    /// Weights one token computes with (a mixture of experts: only its chosen experts);
+    /// `params` when not set.
+    #[serde(default)]
+    pub active_params: Option<f64>,
     pub layers: u32,
     pub heads: u32,
     pub kv_heads: u32,
@@ -76,6 +82,18 @@ pub struct Geometry {
     pub tied: bool,
     /// Window size and how many layers slide.
     pub window: Option<(u32, u32)>,
+    /// Mixture-of-experts MLPs: how many experts, chosen per token, their width, and how many
+    /// layers have them (the others keep the dense `ffn`).
+    pub experts: Option<Experts>,
+}
+
+/// A mixture of experts' shape (`Geometry::experts`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Experts {
+    pub count: u64,
+    pub per_token: u64,
+    pub ffn: u64,
+    pub layers: u32,
 }
 
 impl ModelShape {
@@ -86,12 +104,27 @@ impl ModelShape {
     pub fn from_geometry(name: &str, g: &Geometry) -> ModelShape {
         let q_width = u64::from(g.heads * g.head_dim);
         let kv_width = u64::from(g.kv_heads * g.head_dim);
-        let per_layer = g.hidden * (q_width + 2 * kv_width) + q_width * g.hidden + 3 * g.hidden * g.ffn;
+        let attention = g.hidden * (q_width + 2 * kv_width) + q_width * g.hidden;
+        let dense = u64::from(g.layers) * (attention + 3 * g.hidden * g.ffn);
         let tables = if g.tied { 1 } else { 2 };
-        let params = u64::from(g.layers) * per_layer + tables * g.vocab * g.hidden;
+        // A token computes with the output projection, not the embedding table it reads a row of.
+        let (params, active) = match g.experts {
+            None => (dense + tables * g.vocab * g.hidden, None),
+            Some(e) => {
+                let (moe, rest) = (u64::from(e.layers.min(g.layers)), u64::from(g.layers.saturating_sub(e.layers)));
+                let mlp = |experts: u64| g.hidden * e.count + experts * 3 * g.hidden * e.ffn;
+                let layers = (g.layers.max(1)) as u64;
+                let attention_all = layers * attention;
+                let dense_mlps = rest * 3 * g.hidden * g.ffn;
+                let total = attention_all + dense_mlps + moe * mlp(e.count) + tables * g.vocab * g.hidden;
+                let active = attention_all + dense_mlps + moe * mlp(e.per_token) + g.vocab * g.hidden;
+                (total, Some(active as f64))
+            }
+        };
         ModelShape {
             name: name.into(),
             params: params as f64,
+            active_params: active,
             layers: g.layers,
             heads: g.heads,
             kv_heads: g.kv_heads,
@@ -120,14 +153,16 @@ pub fn hardware(name: &str, gpus: u32) -> Option<Hardware> {
 }
 
 /// Names `model` knows.
-pub const MODELS: &str = "llama-8b, llama-70b, smollm2-135m, qwen2.5-7b, qwen3-8b, mistral-7b, gemma-2-9b, gemma-3-12b";
+pub const MODELS: &str =
+    "llama-8b, llama-70b, smollm2-135m, qwen2.5-7b, qwen3-8b, qwen3-30b-a3b, mistral-7b, gemma-2-9b, gemma-3-12b";
 
 /// Named models: `llama-8b` (Llama-3.1-8B), `llama-70b` (Llama-3.1-70B), `smollm2-135m`
 /// (published parameter counts), and by their configs' geometry Qwen2.5-7B, Qwen3-8B,
 /// Mistral-7B v0.3, Gemma-2-9B (every other layer slides over 4,096 keys) and Gemma-3-12B
-/// (5 of 6 layers slide over 1,024).
+/// (5 of 6 layers slide over 1,024), and Qwen3-30B-A3B (128 experts, 8 per token).
 pub fn model(name: &str) -> Option<ModelShape> {
     let geometry = |vocab, hidden, ffn, layers, heads, kv_heads, head_dim, max_position, tied, window| Geometry {
+        experts: None,
         vocab,
         hidden,
         ffn,
@@ -145,6 +180,10 @@ pub fn model(name: &str) -> Option<ModelShape> {
         "mistral-7b" => Some(geometry(32_768, 4096, 14_336, 32, 32, 8, 128, 32_768, false, None)),
         "gemma-2-9b" => Some(geometry(256_000, 3584, 14_336, 42, 16, 8, 256, 8192, true, Some((4096, 21)))),
         "gemma-3-12b" => Some(geometry(262_208, 3840, 15_360, 48, 16, 8, 256, 131_072, true, Some((1024, 40)))),
+        "qwen3-30b-a3b" => Some(Geometry {
+            experts: Some(Experts { count: 128, per_token: 8, ffn: 768, layers: 48 }),
+            ..geometry(151_936, 2048, 6144, 48, 32, 4, 128, 40_960, false, None)
+        }),
         _ => None,
     };
     if let Some(g) = by_geometry {
@@ -167,6 +206,7 @@ pub fn model(name: &str) -> Option<ModelShape> {
         kv_value_bytes: 2.0,
         max_position,
         window: None,
+        active_params: None,
     })
 }
 
@@ -191,6 +231,7 @@ pub fn roofline(hw: &Hardware, m: &ModelShape, block_size: u32, max_batch: u32) 
     let flops = hw.tflops * 1e12 * gpus * hw.mfu;
     let bandwidth = hw.hbm_gb_s * 1e9 * gpus * hw.mbu;
     let weights = m.params * m.weight_bytes;
+    let active = m.active_params.unwrap_or(m.params);
     let kv_per_token = 2.0 * f64::from(m.layers * m.kv_heads * m.head_dim) * m.kv_value_bytes;
     let attention_flops = 4.0 * f64::from(m.layers * m.heads * m.head_dim);
     let kv_memory = hw.hbm_gb * 1e9 * gpus * 0.9 - weights;
@@ -199,9 +240,16 @@ pub fn roofline(hw: &Hardware, m: &ModelShape, block_size: u32, max_batch: u32) 
     }
     let kv_blocks = (kv_memory / (kv_per_token * f64::from(block_size))).floor().min(f64::from(u32::MAX)) as u32;
     let link = hw.link_gb_s * 1e9 * gpus;
-    let window = m.window.map_or(String::new(), |w| {
+    let mut window = m.window.map_or(String::new(), |w| {
         format!("; {:.0}% of the layers attend over the last {} keys only", w.share * 100.0, w.tokens)
     });
+    if let Some(a) = m.active_params {
+        window.push_str(&format!(
+            "; mixture of experts: {:.2}B of {:.2}B weights computed per token, every weight read per decode step",
+            a / 1e9,
+            m.params / 1e9
+        ));
+    }
     let source = format!(
         "roofline: {} on {} x {} ({} TFLOP/s, {} GB/s, {} GB each; prefill at {:.0}% of peak FLOP/s, decode at {:.0}% of \
          bandwidth; KV over {} GB/s per GPU, one layer after the compute + 0.1 ms); {:.1} GB weights, {} bytes of KV per token{}",
@@ -222,13 +270,13 @@ pub fn roofline(hw: &Hardware, m: &ModelShape, block_size: u32, max_batch: u32) 
         source,
         prefill: PrefillCost {
             fixed_ms: weights / bandwidth * 1e3,
-            per_token_ms: 2.0 * m.params / flops * 1e3,
+            per_token_ms: 2.0 * active / flops * 1e3,
             per_pair_us: attention_flops / flops * 1e6,
             per_prompt_ms: 0.0,
         },
         decode: DecodeCost {
             fixed_ms: weights / bandwidth * 1e3,
-            per_row_ms: 2.0 * m.params / flops * 1e3,
+            per_row_ms: 2.0 * active / flops * 1e3,
             per_context_us: kv_per_token / bandwidth * 1e6,
         },
         kv: KvCost {
@@ -273,6 +321,17 @@ mod tests {
             let m = model(name).expect(name);
             assert!((m.params / published - 1.0).abs() < 0.005, "{name}: {} vs {published}", m.params);
         }
+        // Qwen3-30B-A3B: 30.5B weights, 3.3B activated (its model card, which counts the
+        // embedding table a token reads one row of; the roofline computes with the rest).
+        let moe = model("qwen3-30b-a3b").expect("qwen3-30b-a3b");
+        assert!((moe.params / 30.5e9 - 1.0).abs() < 0.01, "{}", moe.params);
+        let active = moe.active_params.expect("active");
+        assert!(((active + 151_936.0 * 2048.0) / 3.3e9 - 1.0).abs() < 0.02, "{active}");
+        let hw = hardware("h200", 1).expect("h200");
+        let c = roofline(&hw, &moe, 16, 256).expect("fits");
+        assert!((c.prefill.per_token_ms - 2.0 * active / (989e12 * 0.5) * 1e3).abs() < 1e-12);
+        assert!((c.decode.fixed_ms - 2.0 * moe.params / (4800e9 * 0.7) * 1e3).abs() < 1e-9);
+        assert!(c.source.contains("mixture of experts"), "{}", c.source);
         let g3 = model("gemma-3-12b").expect("gemma-3-12b");
         assert_eq!(g3.window, Some(AttentionWindow { tokens: 1024, share: 40.0 / 48.0 }));
         assert_eq!(model("qwen3-8b").expect("qwen3").window, None);
