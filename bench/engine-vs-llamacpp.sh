@@ -43,11 +43,17 @@ cargo build --release --quiet -p pd-engine --bin pd-engine-bench
 
 pin() { taskset -c "$core" "$@"; }
 bin="$work/build/bin"
+# On CPUs with AMX, llama.cpp (as vendored in llama-cpp-python 0.3.36) runs Q4_1/Q8_0 matmuls
+# through its AMX buffers, reached by weight repacking; there they crash with SIGSEGV in
+# ggml_backend_amx_mul_mat on the first prompt (Sapphire Rapids here). llama.cpp runs with
+# repacking off on such machines: its AVX-512 VNNI kernels, as on every other machine.
+repack=(--repack 1) batched_repack=()
+if grep -qw amx_tile /proc/cpuinfo; then repack=(--repack 0) batched_repack=(--no-repack); fi
 echo "== llama.cpp" >&2
-pin "$bin/llama-bench" -m "$model" -t 1 -p 128,512,2048 -n 0 -r 3 -o json >"$out/llamacpp-prefill.json"
-pin "$bin/llama-bench" -m "$model" -t 1 -p 0 -n 64 -d 512 -r 3 -o json >"$out/llamacpp-decode.json"
+pin "$bin/llama-bench" -m "$model" -t 1 -p 128,512,2048 -n 0 -r 3 "${repack[@]}" -o json >"$out/llamacpp-prefill.json"
+pin "$bin/llama-bench" -m "$model" -t 1 -p 0 -n 64 -d 512 -r 3 "${repack[@]}" -o json >"$out/llamacpp-decode.json"
 pin "$bin/llama-batched-bench" -m "$model" -t 1 -c 9216 -b 2048 -ub 512 -npp 512 -ntg 32 -npl 1,4,16 \
-    --output-format jsonl 2>/dev/null | grep '^{' >"$out/llamacpp-batched.jsonl"
+    "${batched_repack[@]}" --output-format jsonl 2>/dev/null | grep '^{' >"$out/llamacpp-batched.jsonl"
 for w in $weights; do
     echo "== pd ($w)" >&2
     pin target/release/pd-engine-bench --model "$model" --threads 1 --weights "$w" --prefill 128,512,2048 \
@@ -56,11 +62,13 @@ done
 {
     echo "Machine: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), core $core of $(nproc), one thread."
     echo "CPU flags used: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx|avx2|fma|f16c|avx512f|avx512_vnni|avx_vnni)$' | xargs)."
-    echo "llama.cpp: the source vendored in llama-cpp-python $(awk '/^Version:/ {print $2; exit}' "$work/src/PKG-INFO") (PyPI sdist), built with GGML_NATIVE (its AVX-512 / VNNI kernels)."
-    echo "Command: \`bench/engine-vs-llamacpp.sh\` ($(date -u +%Y-%m-%d)); model $(basename "$model")."
+    echo "llama.cpp: the source vendored in llama-cpp-python $(awk '/^Version:/ {print $2; exit}' "$work/src/PKG-INFO") (PyPI sdist), built with GGML_NATIVE (its AVX-512 / VNNI kernels)$(grep -qw amx_tile /proc/cpuinfo && echo "; weight repacking off, as its AMX kernels crash here")."
+    echo "Command: \`PD_MODEL=$model OUT=$out WEIGHTS=\"$weights\" bench/engine-vs-llamacpp.sh\` ($(date -u +%Y-%m-%d)); model $(basename "$model")."
     echo
     python3 bench/engine_vs_llamacpp.py "$out" $weights
     echo
-    echo "Profiles and what was tried: [analysis.md](analysis.md) (written by hand, not by this script)."
+    if [[ -f "$out/analysis.md" ]]; then
+        echo "Profiles and what was tried: [analysis.md](analysis.md) (written by hand, not by this script)."
+    fi
 } >"$out/README.md"
 cat "$out/README.md"
