@@ -97,7 +97,6 @@ mod tests {
             assert!(matches!(table, Embedding::Blocks { .. }));
             assert_eq!(max_diff(&table.lookup(&ids, &Device::Cpu)?, &want)?, 0.0, "{dtype:?}");
         }
-        // A dense bf16 table keeps its dtype and gives f32 rows.
         // Rows read from a tied output projection's repacked blocks are the same values.
         for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
             let q = QTensor::quantize(&dense, dtype)?;
@@ -106,6 +105,7 @@ mod tests {
             let (want, got) = (want.lookup(&ids, &Device::Cpu)?, tied.lookup(&ids, &Device::Cpu)?);
             assert_eq!(max_diff(&got, &want)?, 0.0, "tied {dtype:?}");
         }
+        // A dense bf16 table keeps its dtype and gives f32 rows.
         let bf16 = dense.to_dtype(DType::BF16)?;
         let table = Embedding::new(&RawTensor::Dense(bf16.clone()), &Device::Cpu)?;
         let got = table.lookup(&ids, &Device::Cpu)?;
