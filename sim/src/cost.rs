@@ -45,12 +45,7 @@ impl AttentionWindow {
     /// Key-query pairs of a chunk of `t` queries after `ctx` keys, each query seeing every
     /// earlier key (`full`), and with the window (`windowed`): the cost model's
     /// `t * (ctx + t/2)`, with the part beyond the window cut off.
-    #[cfg(test)]
-    pub(crate) fn pairs_for_test(self, t: f64, ctx: f64) -> (f64, f64) {
-        self.pairs(t, ctx)
-    }
-
-    fn pairs(self, t: f64, ctx: f64) -> (f64, f64) {
+    pub(crate) fn pairs(self, t: f64, ctx: f64) -> (f64, f64) {
         let w = f64::from(self.tokens);
         let full = t * (ctx + t / 2.0);
         let windowed = if ctx + t <= w {

@@ -358,7 +358,7 @@ mod tests {
         let saved = 0.5 * 2048.0 * (7024.0 - 4096.0) * windowed.prefill.per_pair_us / 1e3;
         assert!((f - w - saved).abs() < 1e-9, "{f} - {w} vs {saved}");
         // A chunk across the window's edge: 100 queries from 4,000 keys.
-        let (full_pairs, windowed_pairs) = windowed.window.expect("window").pairs_for_test(100.0, 4000.0);
+        let (full_pairs, windowed_pairs) = windowed.window.expect("window").pairs(100.0, 4000.0);
         assert_eq!(full_pairs, 100.0 * 4050.0);
         assert_eq!(windowed_pairs, 96.0 * 4048.0 + 4.0 * 4096.0);
     }
