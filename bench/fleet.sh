@@ -23,6 +23,7 @@
 #   PARTS="scale loss" bench/fleet.sh   (rerun some parts; the summary reads every part's last run)
 #   SIZES="8 128 1000" PARTS=scale bench/fleet.sh   (the fleet sizes of part 3; default 8 32 128)
 #   ROUTER_BIN=/path/to/old/pd-router ...   (another router binary over the simulated fleets: before/after)
+#   KV_TRANSPORT=ucx ...   (simulated decode workers take KV over UCX, every frame moved; loopback)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=bench/results/fleet
@@ -65,7 +66,8 @@ sim() { # NAME COST PREFILL DECODE [--lose ...]: simulated workers, then the rou
     local name=$1 cost=$2 np=$3 nd=$4
     shift 4
     rm -f "$out/logs/$name.env"
-    taskset -c 1 "$bin/pd-sim-worker" --cost "$cost" --prefill "$np" --decode "$nd" \
+    UCX_NET_DEVICES=lo UCX_TLS="${UCX_TLS:-posix,sysv,cma,tcp}" taskset -c 1 "$bin/pd-sim-worker" --cost "$cost" \
+        --prefill "$np" --decode "$nd" --kv-transport "${KV_TRANSPORT:-grpc}" \
         --addresses "$out/logs/$name.env" "$@" >"$out/logs/$name-sim.log" 2>&1 &
     pids+=($!)
     for _ in $(seq 1 100); do [[ -s "$out/logs/$name.env" ]] && break; sleep 0.1; done

@@ -14,7 +14,7 @@ scripts/install-clients.sh
 scripts/fetch-model.sh
 # Tests and local runs keep UCX on loopback (the code sets these too; this covers child tools).
 export UCX_NET_DEVICES=lo UCX_TLS="${UCX_TLS:-posix,sysv,cma,tcp}"
-features=pd-kv-transfer/ucx
+features=pd-kv-transfer/ucx,pd-sim/ucx
 cargo fmt --all --check
 # Lints share the release profile's dependency builds (clippy checks, it does not link).
 cargo clippy --release --workspace --all-targets --features "$features" -- -D warnings
@@ -25,3 +25,6 @@ cargo test --release --workspace --features "$features" "$@"
 # KV over UCX (`--kv-transport ucx`; the tests that choose a transport keep theirs).
 PD_TEST_KV_TRANSPORT=ucx cargo test --release --workspace --features "$features" \
     --test cluster --test faults --test restarts --test answers --test families --test chaos "$@"
+# ... and the simulated fleet's loss test, its KV moved over UCX (pd-sim-worker --kv-transport).
+PD_TEST_KV_TRANSPORT=ucx cargo test --release --workspace --features "$features" --test fleet "$@" \
+    -- lost_mid_stream

@@ -7,6 +7,8 @@
 //! are computed in the batch in the chunks the real worker's planner (`pd_decode::plan`, its
 //! default `chunked` policy) gives them.
 //! Its `Load` answers like the real one (free blocks, running, waiting transfers, step time).
+//! With a UCX inbox (`crate::kv`), the transfer arrives over UCX into the real registry, every
+//! frame checked, instead of as control messages on its gRPC KvTransfer service.
 //!
 //! A worker can be lost (`lose`): its streams end unfinished and every call is UNAVAILABLE,
 //! which is what the router sees of a crashed worker.
@@ -78,6 +80,8 @@ struct State {
 pub struct SimDecode {
     cost: Arc<WorkerCost>,
     kv_endpoint: String,
+    /// Where KV arrives with `--kv-transport ucx`.
+    ucx: Option<Arc<crate::kv::UcxInbox>>,
     state: Arc<Mutex<State>>,
     wake: Arc<Notify>,
     lost: Arc<AtomicBool>,
@@ -99,13 +103,14 @@ fn token(id: u32, text: &str) -> pb::DecodeEvent {
 }
 
 impl SimDecode {
-    /// A worker whose KvTransfer service is reached at `kv_endpoint`; its batch loop runs on
-    /// the current tokio runtime.
-    pub fn start(cost: Arc<WorkerCost>, kv_endpoint: String) -> Self {
+    /// A worker whose KvTransfer service is reached at `kv_endpoint`, or that takes KV over
+    /// UCX at `ucx`'s endpoint; its batch loop runs on the current tokio runtime.
+    pub fn start(cost: Arc<WorkerCost>, kv_endpoint: String, ucx: Option<Arc<crate::kv::UcxInbox>>) -> Self {
         let state = State { free_blocks: cost.worker.kv_blocks as usize, ..State::default() };
         let worker = SimDecode {
             cost,
             kv_endpoint,
+            ucx,
             state: Arc::new(Mutex::new(state)),
             wake: Arc::new(Notify::new()),
             lost: Arc::new(AtomicBool::new(false)),
@@ -122,6 +127,14 @@ impl SimDecode {
         s.running.clear();
         s.pending.clear();
         self.wake.notify_one();
+        if let Some(ucx) = &self.ucx {
+            ucx.lose();
+        }
+    }
+
+    /// Blocks held by UCX reservations (0 once every transfer ended; 0 over gRPC).
+    pub fn ucx_held_blocks(&self) -> usize {
+        self.ucx.as_ref().map_or(0, |u| u.held_blocks())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -203,6 +216,45 @@ impl SimDecode {
         }
     }
 
+    /// Reserves the prompt's blocks in the UCX registry (undoing the pending entry if that
+    /// fails), and hands the registry's outcome to the pending entry as a gRPC commit would.
+    fn reserve_ucx(
+        &self,
+        ucx: &crate::kv::UcxInbox,
+        req: &pb::DecodeRequest,
+        lease: Duration,
+    ) -> Result<pb::KvTarget, Status> {
+        let id = req.request_id.clone();
+        let (target, outcome) = match ucx.reserve(&id, req.prompt_tokens.len(), lease) {
+            Ok(r) => r,
+            Err(e) => {
+                let mut s = self.lock();
+                if let Some(p) = s.pending.remove(&id) {
+                    s.free_blocks += p.blocks;
+                }
+                return Err(e);
+            }
+        };
+        let worker = self.clone();
+        tokio::spawn(async move {
+            let outcome = outcome.await;
+            let mut s = worker.lock();
+            let Some(p) = s.pending.remove(&id) else { return };
+            match outcome {
+                Ok(Ok(c)) => {
+                    let kv_ms = c.receive_time.as_secs_f64() * 1e3;
+                    let committed = Committed { first_token: c.first_token, kv_ms, kv_bytes: c.bytes };
+                    if p.commit.send(committed).is_err() {
+                        s.free_blocks += p.blocks;
+                    }
+                }
+                // Failed or expired: the sequence's task sees its commit channel closed.
+                _ => s.free_blocks += p.blocks,
+            }
+        });
+        Ok(target)
+    }
+
     /// Waits for the transfer's commit, then puts the sequence in the batch; on lease expiry
     /// or a client that left, frees the blocks.
     async fn await_commit(self, id: String, mut rx: oneshot::Receiver<Committed>, mut seq: Seq, lease: Duration) {
@@ -217,6 +269,9 @@ impl SimDecode {
         let Some(c) = outcome else {
             if s.pending.remove(&id).is_some() {
                 s.free_blocks += seq.blocks;
+            }
+            if let Some(ucx) = &self.ucx {
+                ucx.abort(&id, "the sequence ended before its KV was committed");
             }
             if !self.lost.load(Ordering::SeqCst) {
                 let m = "the KV transfer was aborted, or the reservation's lease ended before its commit";
@@ -434,7 +489,10 @@ impl pb::decode_worker_server::DecodeWorker for SimDecode {
             let (commit, committed) = oneshot::channel();
             s.pending.insert(req.request_id.clone(), Pending { blocks, commit });
             drop(s);
-            let target = self.target(&req, blocks, lease);
+            let target = match &self.ucx {
+                None => self.target(&req, blocks, lease),
+                Some(ucx) => self.reserve_ucx(ucx, &req, lease)?,
+            };
             let _ = tx.send(Ok(pb::DecodeEvent { event: Some(pb::decode_event::Event::Target(target)) }));
             tokio::spawn(self.clone().await_commit(req.request_id, committed, seq, lease));
         }

@@ -6,12 +6,14 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use pd_kv_transfer::transport::Transport;
 use pd_prefill::step::StepConfig;
 use pd_proto::v1 as pb;
 use tokio::net::TcpListener;
 
 use crate::cost::WorkerCost;
 use crate::decode::SimDecode;
+use crate::kv::{Handoffs, UcxInbox};
 use crate::prefill::SimPrefill;
 
 /// Which pool a worker belongs to.
@@ -57,6 +59,7 @@ pub struct Fleet {
     pub decode_addrs: Vec<SocketAddr>,
     prefill: Vec<SimPrefill>,
     decode: Vec<SimDecode>,
+    handoffs: Arc<Handoffs>,
 }
 
 impl std::fmt::Debug for Fleet {
@@ -72,19 +75,31 @@ async fn listen(host: &str) -> std::io::Result<(TcpListener, SocketAddr)> {
 }
 
 impl Fleet {
-    /// Starts `prefill` + `decode` workers listening on `host` (ports picked by the system).
+    /// Starts `prefill` + `decode` workers listening on `host` (ports picked by the system),
+    /// the decode workers taking KV over `transport` (UCX on a port of each one's own).
     pub async fn start(
         cost: Arc<WorkerCost>,
         step: StepConfig,
         host: &str,
         prefill: usize,
         decode: usize,
-    ) -> std::io::Result<Fleet> {
-        let mut fleet =
-            Fleet { prefill_addrs: Vec::new(), decode_addrs: Vec::new(), prefill: Vec::new(), decode: Vec::new() };
+        transport: Transport,
+    ) -> anyhow::Result<Fleet> {
+        let handoffs = Arc::new(Handoffs::default());
+        let mut fleet = Fleet {
+            prefill_addrs: Vec::new(),
+            decode_addrs: Vec::new(),
+            prefill: Vec::new(),
+            decode: Vec::new(),
+            handoffs: handoffs.clone(),
+        };
         for _ in 0..decode {
             let (listener, addr) = listen(host).await?;
-            let worker = SimDecode::start(cost.clone(), addr.to_string());
+            let ucx = match transport {
+                Transport::Grpc => None,
+                Transport::Ucx => Some(Arc::new(UcxInbox::start(&cost, host)?)),
+            };
+            let worker = SimDecode::start(cost.clone(), addr.to_string(), ucx);
             let router = tonic::transport::Server::builder()
                 .add_service(pb::decode_worker_server::DecodeWorkerServer::new(worker.clone()))
                 .add_service(pb::kv_transfer_server::KvTransferServer::new(worker.clone()));
@@ -94,7 +109,7 @@ impl Fleet {
         }
         for _ in 0..prefill {
             let (listener, addr) = listen(host).await?;
-            let worker = SimPrefill::start(cost.clone(), step);
+            let worker = SimPrefill::start(cost.clone(), step, handoffs.clone());
             let router = tonic::transport::Server::builder()
                 .add_service(pb::prefill_worker_server::PrefillWorkerServer::new(worker.clone()));
             tokio::spawn(router.serve_with_incoming(pd_proto::nodelay_incoming(listener)));
@@ -110,6 +125,16 @@ impl Fleet {
             Role::Prefill => self.prefill.get(index).map(SimPrefill::lose).is_some(),
             Role::Decode => self.decode.get(index).map(SimDecode::lose).is_some(),
         }
+    }
+
+    /// Committed and failed KV hand-offs by transport, as one line.
+    pub fn handoffs(&self) -> String {
+        self.handoffs.summary()
+    }
+
+    /// Blocks the decode workers' UCX registries still hold (0 when every transfer ended).
+    pub fn ucx_held_blocks(&self) -> usize {
+        self.decode.iter().map(SimDecode::ucx_held_blocks).sum()
     }
 
     /// `PD_PREFILL_WORKERS=...` and `PD_DECODE_WORKERS=...` lines for the router.

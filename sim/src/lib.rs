@@ -4,7 +4,8 @@
 //!   hand-off) and its limits (KV blocks, batch); `fit` fits it to measurements
 //!   (`pd-bench profile`), `roofline` derives it from a hardware and a model description.
 //! - `prefill`, `decode`: simulated workers serving the real pd.v1 APIs with that timing and
-//!   no model compute; `fleet` starts many of them in one process (`pd-sim-worker`).
+//!   no model compute; `fleet` starts many of them in one process (`pd-sim-worker`); `kv`
+//!   moves their KV over UCX for real when asked (`--kv-transport ucx`).
 //! - `vtime`: the same workers' rules in virtual time, against the real scheduler, in one
 //!   thread with no socket (`pd-bench simulate`): fleets and hours of traffic in seconds.
 
@@ -12,6 +13,7 @@ pub mod cost;
 pub mod decode;
 pub mod fit;
 pub mod fleet;
+pub mod kv;
 pub mod prefill;
 pub mod roofline;
 pub mod vtime;

@@ -5,7 +5,8 @@
 //! default and learns its scale from every step's time exactly as the real one does. Each
 //! step lasts what the worker's cost model (the measured truth) predicts. A finished prompt's KV goes to the decode
 //! worker's KvTransfer endpoint as the real protocol's control messages (header, then commit
-//! after the cost model's hand-off time, no frames), and the response carries the same
+//! after the cost model's hand-off time, no frames), or, to a `ucx://` endpoint, as every
+//! frame of it over UCX (`crate::kv`); the response carries the same
 //! timings as the real worker's. `Load` reports waiting tokens, running and queued prefills
 //! and the short-prompt rate the real worker reports. A step of long prompts only, none
 //! finishing, stops when a short prompt arrives in its first three quarters (the real
@@ -16,6 +17,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use pd_kv_transfer::kv_commit;
+use pd_kv_transfer::transport::Transport;
+use pd_prefill::senders::Senders;
 use pd_prefill::step::{plan, Candidate, CostModel, StepConfig, STOPPABLE_SHARE};
 use pd_prefill::steps::short_prompt_rate;
 use pd_proto::v1 as pb;
@@ -24,6 +28,10 @@ use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use crate::cost::WorkerCost;
+use crate::kv::Handoffs;
+
+/// How long a UCX sender waits for a connection or an answer.
+const KV_TIMEOUT: Duration = Duration::from_secs(5);
 
 type KvClient = pb::kv_transfer_client::KvTransferClient<Channel>;
 
@@ -111,12 +119,16 @@ pub struct SimPrefill {
     /// Woken (only if waiting) when a short prompt arrives: a preemptible step stops.
     short_arrived: Arc<Notify>,
     channels: Arc<Mutex<HashMap<String, KvClient>>>,
+    /// UCX senders by endpoint, as the real prefill worker keeps them.
+    senders: Senders,
+    handoffs: Arc<Handoffs>,
     lost: Arc<AtomicBool>,
 }
 
 impl SimPrefill {
-    /// A worker planning with `step`; its step loop runs on the current tokio runtime.
-    pub fn start(cost: Arc<WorkerCost>, step: StepConfig) -> Self {
+    /// A worker planning with `step`, counting its hand-offs in `handoffs`; its step loop
+    /// runs on the current tokio runtime.
+    pub fn start(cost: Arc<WorkerCost>, step: StepConfig, handoffs: Arc<Handoffs>) -> Self {
         let worker = SimPrefill {
             cost,
             step,
@@ -125,6 +137,8 @@ impl SimPrefill {
             wake: Arc::new(Notify::new()),
             short_arrived: Arc::new(Notify::new()),
             channels: Arc::default(),
+            senders: Senders::new(KV_TIMEOUT, None),
+            handoffs,
             lost: Arc::new(AtomicBool::new(false)),
         };
         tokio::spawn(worker.clone().step_loop());
@@ -223,11 +237,40 @@ impl SimPrefill {
         Ok(client)
     }
 
-    /// Header, the hand-off time, commit; the receiver's answer to each.
+    /// The prompt's KV to the target (control messages over gRPC, every frame over UCX):
+    /// the hand-off's time in ms and the bytes the receiver confirmed.
     async fn ship(&self, target: &pb::KvTarget, prompt: usize, first_token: u32) -> Result<(f64, u64), Status> {
-        use pb::kv_sender_message::Message;
         let started = Instant::now();
         let uncached = prompt.saturating_sub(target.cached_tokens as usize);
+        let modelled = Duration::from_secs_f64(self.cost.kv_commit_ms(uncached) / 1e3);
+        let shipped = match Transport::of_endpoint(&target.kv_endpoint).0 {
+            Transport::Ucx => {
+                let commit = kv_commit(first_token, prompt as u32);
+                crate::kv::send_frames(&self.senders, &self.handoffs, target, commit, modelled)
+                    .await
+                    .map_err(|e| e.to_status())
+            }
+            Transport::Grpc => self.ship_control(target, prompt, uncached, first_token, modelled).await,
+        };
+        match shipped {
+            Ok(bytes) => Ok((started.elapsed().as_secs_f64() * 1e3, bytes)),
+            Err(e) => {
+                self.handoffs.failed();
+                Err(e)
+            }
+        }
+    }
+
+    /// Header, the modelled hand-off time, commit; the receiver's answer to each.
+    async fn ship_control(
+        &self,
+        target: &pb::KvTarget,
+        prompt: usize,
+        uncached: usize,
+        first_token: u32,
+        modelled: Duration,
+    ) -> Result<u64, Status> {
+        use pb::kv_sender_message::Message;
         let (tx, rx) = mpsc::channel(4);
         let header = pb::KvTransferHeader {
             transfer_id: target.transfer_id.clone(),
@@ -245,12 +288,13 @@ impl SimPrefill {
             Some(pb::kv_receiver_message::Message::Refused(r)) => return Err(refused(r)),
             _ => return Err(Status::internal("the KV receiver did not accept the header")),
         }
-        tokio::time::sleep(Duration::from_secs_f64(self.cost.kv_commit_ms(uncached) / 1e3)).await;
-        let commit = pb::KvCommit { first_token, prompt_tokens: prompt as u32, first_logprobs: None };
+        tokio::time::sleep(modelled).await;
+        let commit = kv_commit(first_token, prompt as u32);
         let _ = tx.send(pb::KvSenderMessage { message: Some(Message::Commit(commit)) }).await;
         match replies.message().await?.and_then(|m| m.message) {
             Some(pb::kv_receiver_message::Message::Committed(c)) => {
-                Ok((started.elapsed().as_secs_f64() * 1e3, c.bytes))
+                self.handoffs.grpc_committed();
+                Ok(c.bytes)
             }
             Some(pb::kv_receiver_message::Message::Refused(r)) => Err(refused(r)),
             _ => Err(Status::internal("the KV receiver did not confirm the commit")),

@@ -1,10 +1,13 @@
 //! Simulated workers over real gRPC, driven as the router drives them: a decode reservation,
 //! a prefill into its target, the stream to its end; the blocks come back in every case
 //! (finished, refused, lease expired, lost worker), and bad requests are refused by name.
+//! Each of these runs over gRPC and, with the `ucx` feature, over UCX (`--kv-transport ucx`:
+//! every frame moved into the real registry).
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use pd_kv_transfer::transport::Transport;
 use pd_prefill::step::StepConfig;
 use pd_proto::v1 as pb;
 use pd_sim::cost::{DecodeCost, KvCost, PrefillCost, WorkerCost, WorkerShape};
@@ -26,8 +29,14 @@ fn cost(kv_blocks: u32) -> Arc<WorkerCost> {
     })
 }
 
-async fn fleet(kv_blocks: u32) -> (Fleet, Decode, Prefill) {
-    let fleet = Fleet::start(cost(kv_blocks), StepConfig::single(512), "127.0.0.1", 1, 1).await.expect("fleet");
+async fn fleet(kv_blocks: u32, transport: Transport) -> (Fleet, Decode, Prefill) {
+    if transport == Transport::Ucx && std::env::var_os("UCX_TLS").is_none() {
+        // Loopback only; every test of this file sets the same values.
+        std::env::set_var("UCX_TLS", "tcp");
+        std::env::set_var("UCX_NET_DEVICES", "lo");
+    }
+    let step = StepConfig::single(512);
+    let fleet = Fleet::start(cost(kv_blocks), step, "127.0.0.1", 1, 1, transport).await.expect("fleet");
     let decode = Decode::connect(format!("http://{}", fleet.decode_addrs[0])).await.expect("decode");
     let prefill = Prefill::connect(format!("http://{}", fleet.prefill_addrs[0])).await.expect("prefill");
     (fleet, decode, prefill)
@@ -89,22 +98,55 @@ async fn generate(
     (tokens, finished)
 }
 
-#[tokio::test]
-async fn a_request_gets_exactly_its_tokens_and_gives_its_blocks_back() {
-    let (_fleet, mut decode, mut prefill) = fleet(64).await;
+/// Runs each of the transport-dependent checks over gRPC, and over UCX when built with it.
+macro_rules! over_both_transports {
+    ($($check:ident),* $(,)?) => {
+        mod grpc {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $check() {
+                super::$check(super::Transport::Grpc).await
+            })*
+        }
+        #[cfg(feature = "ucx")]
+        mod ucx {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $check() {
+                super::$check(super::Transport::Ucx).await
+            })*
+        }
+    };
+}
+
+over_both_transports!(
+    a_request_gets_exactly_its_tokens_and_gives_its_blocks_back,
+    refusals_name_the_problem_and_hold_nothing,
+    a_lease_that_ends_before_the_commit_frees_the_reservation,
+    a_lost_worker_ends_its_streams_unfinished_and_refuses_everything,
+);
+
+async fn a_request_gets_exactly_its_tokens_and_gives_its_blocks_back(transport: Transport) {
+    let (fleet, mut decode, mut prefill) = fleet(64, transport).await;
+    // 40 tokens of 100 bytes: modelled over gRPC; over UCX the frames of 3 whole blocks.
+    let bytes = if transport == Transport::Ucx { 4800 } else { 4000 };
     for (i, max) in [1u32, 5].into_iter().enumerate() {
         let (tokens, finished) = generate(&mut decode, &mut prefill, request(&format!("r{i}"), 40, max, 0)).await;
         assert_eq!(tokens.len(), max as usize, "{tokens:?}");
         assert_eq!(tokens[0], pd_sim::FIRST_TOKEN, "the first token is the prefill worker's");
         let f = finished.expect("finished");
-        assert_eq!((f.completion_tokens, f.prompt_tokens, f.kv_bytes), (max, 40, 4000));
+        assert_eq!((f.completion_tokens, f.prompt_tokens, f.kv_bytes), (max, 40, bytes));
     }
     assert_eq!(free_blocks(&mut decode).await, 64);
+    assert_eq!(fleet.ucx_held_blocks(), 0);
+    let summary = fleet.handoffs();
+    let expected = match transport {
+        Transport::Grpc => "2 over grpc (control messages only), 0 over ucx (0 bytes in 0 frames); 0 failed",
+        Transport::Ucx => "0 over grpc (control messages only), 2 over ucx (9600 bytes in 2 frames); 0 failed",
+    };
+    assert!(summary.ends_with(expected), "{summary}");
 }
 
-#[tokio::test]
-async fn refusals_name_the_problem_and_hold_nothing() {
-    let (_fleet, mut decode, _prefill) = fleet(4).await;
+async fn refusals_name_the_problem_and_hold_nothing(transport: Transport) {
+    let (_fleet, mut decode, _prefill) = fleet(4, transport).await;
     let e = decode.generate(request("big", 60, 10, 0)).await.expect_err("5 blocks of 4");
     assert_eq!(e.code(), tonic::Code::ResourceExhausted);
     assert!(e.message().contains("5 needed, 4 free"), "{}", e.message());
@@ -117,9 +159,8 @@ async fn refusals_name_the_problem_and_hold_nothing() {
     assert_eq!(free_blocks(&mut decode).await, 4);
 }
 
-#[tokio::test]
-async fn a_lease_that_ends_before_the_commit_frees_the_reservation() {
-    let (_fleet, mut decode, _prefill) = fleet(16).await;
+async fn a_lease_that_ends_before_the_commit_frees_the_reservation(transport: Transport) {
+    let (fleet, mut decode, _prefill) = fleet(16, transport).await;
     let mut stream = decode.generate(request("late", 20, 4, 100)).await.expect("generate").into_inner();
     assert!(matches!(
         stream.message().await.expect("target").and_then(|e| e.event),
@@ -129,11 +170,11 @@ async fn a_lease_that_ends_before_the_commit_frees_the_reservation() {
     let e = stream.message().await.expect_err("the lease ends");
     assert_eq!(e.code(), tonic::Code::DeadlineExceeded);
     assert_eq!(free_blocks(&mut decode).await, 16);
+    assert_eq!(fleet.ucx_held_blocks(), 0, "the registry's reservation ended too");
 }
 
-#[tokio::test]
-async fn a_lost_worker_ends_its_streams_unfinished_and_refuses_everything() {
-    let (fleet, mut decode, mut prefill) = fleet(64).await;
+async fn a_lost_worker_ends_its_streams_unfinished_and_refuses_everything(transport: Transport) {
+    let (fleet, mut decode, mut prefill) = fleet(64, transport).await;
     let mut stream = decode.generate(request("lost", 20, 1000, 0)).await.expect("generate").into_inner();
     let Some(pb::decode_event::Event::Target(target)) = stream.message().await.expect("event").and_then(|e| e.event)
     else {
@@ -174,7 +215,7 @@ async fn a_short_prompt_stops_a_documents_simulated_step_only_with_preemption_on
     let mut waits = Vec::new();
     for preempt in [true, false] {
         let step = StepConfig { long_threshold: 64, max_prompts: 2, preempt, ..StepConfig::single(512) };
-        let fleet = Fleet::start(slow.clone(), step, "127.0.0.1", 1, 1).await.expect("fleet");
+        let fleet = Fleet::start(slow.clone(), step, "127.0.0.1", 1, 1, Transport::Grpc).await.expect("fleet");
         let decode = Decode::connect(format!("http://{}", fleet.decode_addrs[0])).await.expect("decode");
         let prefill = Prefill::connect(format!("http://{}", fleet.prefill_addrs[0])).await.expect("prefill");
         let document = tokio::spawn(prefill_answer(decode.clone(), prefill.clone(), request("doc", 1024, 1, 0)));

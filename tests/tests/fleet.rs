@@ -3,7 +3,9 @@
 //! it; the real `pd-router` routes a pd-bench run over them; `pd-bench plan` turns that run
 //! into a capacity plan; `pd-bench simulate` runs the same traffic in virtual time.
 //! And a simulated decode worker lost mid-stream costs no request: the router migrates its
-//! streams.
+//! streams. That test moves KV over the transport `PD_TEST_KV_TRANSPORT` names (UCX in
+//! scripts/test.sh's second pass: every frame into the real registry), and checks what
+//! pd-sim-worker counted of it when stopped.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -35,12 +37,18 @@ fn worker(name: &str, extra: &[&str]) -> (Proc, String) {
     (proc, lines.last().cloned().unwrap_or_default())
 }
 
-/// Simulated workers: the process and (prefill, decode) address lists.
-fn sim_workers(cost: &Path, prefill: usize, decode: usize, extra: &[&str]) -> (Proc, String, String) {
+/// Simulated workers: the process and (prefill, decode) address lists; stderr to `log`.
+fn sim_workers(
+    cost: &Path,
+    prefill: usize,
+    decode: usize,
+    extra: &[&str],
+    log: Option<PathBuf>,
+) -> (Proc, String, String) {
     let mut command = Command::new(binary("pd-sim-worker"));
     command.arg("--cost").arg(cost).args(["--prefill", &prefill.to_string(), "--decode", &decode.to_string()]);
     command.args(extra);
-    let (proc, lines) = spawn_command(command, "pd-sim-worker", "PD_DECODE_WORKERS=", None);
+    let (proc, lines) = spawn_command(command, "pd-sim-worker", "PD_DECODE_WORKERS=", log);
     let prefill = lines.iter().find_map(|l| l.strip_prefix("PD_PREFILL_WORKERS=")).expect("prefill line").to_string();
     (proc, prefill, lines.last().cloned().expect("decode line"))
 }
@@ -118,7 +126,7 @@ async fn profile_simulate_route_and_plan() {
     );
 
     // 2. Simulated workers with that model, the real router over them, a pd-bench run.
-    let (_sim, prefill, decode) = sim_workers(&cost, 2, 2, &[]);
+    let (_sim, prefill, decode) = sim_workers(&cost, 2, 2, &[], None);
     assert_eq!((prefill.split(',').count(), decode.split(',').count()), (2, 2));
     let (_router, http) = router(&prefill, &decode, dir.path());
     wait_ready(&http).await;
@@ -184,7 +192,10 @@ async fn a_simulated_decode_worker_lost_mid_stream_costs_no_request() {
     });
     std::fs::write(&cost, model.to_string()).expect("cost");
     // Streams of 60 tokens take 1.2 s; decode worker 0 is lost 1.5 s in, while 8 run.
-    let (_sim, prefill, decode) = sim_workers(&cost, 2, 2, &["--lose", "decode:0@1.5"]);
+    let transport = pd_tests::default_kv_transport().unwrap_or_else(|| "grpc".into());
+    let log = dir.path().join("sim.log");
+    let args = ["--lose", "decode:0@1.5", "--kv-transport", &transport];
+    let (mut sim, prefill, decode) = sim_workers(&cost, 2, 2, &args, Some(log.clone()));
     let (_router, http) = router(&prefill, &decode, dir.path());
     wait_ready(&http).await;
     let started = tokio::time::Instant::now();
@@ -214,4 +225,19 @@ async fn a_simulated_decode_worker_lost_mid_stream_costs_no_request() {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     assert!(migrated >= 1.0, "no stream was migrated off {lost}:\n{metrics}");
+
+    // Every request's KV went over the transport asked for, and no UCX reservation is left.
+    sim.terminate();
+    assert!(sim.exited(Duration::from_secs(10)).await.is_some(), "pd-sim-worker did not stop on SIGTERM");
+    let text = std::fs::read_to_string(&log).expect("sim log");
+    let summary = text.lines().find(|l| l.contains("KV hand-offs committed")).unwrap_or_else(|| panic!("{text}"));
+    let count = |what: &str| -> u64 {
+        let (before, _) = summary.split_once(what).unwrap_or_else(|| panic!("{what}: {summary}"));
+        before.rsplit(|c: char| !c.is_ascii_digit()).find(|w| !w.is_empty()).and_then(|n| n.parse().ok()).expect(what)
+    };
+    eprintln!("pd-sim-worker over {transport}: {summary}");
+    let (over, other) = if transport == "ucx" { (" over ucx", " over grpc") } else { (" over grpc", " over ucx") };
+    assert!(count(over) >= 8, "8 requests, and again for each migrated one: {summary}");
+    assert_eq!(count(other), 0, "{summary}");
+    assert!(summary.ends_with("; 0 blocks held by UCX reservations"), "{summary}");
 }

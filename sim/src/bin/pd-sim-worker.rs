@@ -2,9 +2,12 @@
 //! real pd-router against a fleet (`bench/fleet.sh`). Each worker serves the real pd.v1 APIs
 //! on its own port with timing from a cost model (`--cost FILE`, from `pd-bench profile` or
 //! `pd-bench roofline`); the addresses go to `--addresses FILE` as the router's
-//! PD_PREFILL_WORKERS / PD_DECODE_WORKERS lines.
+//! PD_PREFILL_WORKERS / PD_DECODE_WORKERS lines. With `--kv-transport ucx` the decode
+//! workers take KV over UCX (`UCX_TLS` required), every frame moved for real. On SIGINT or
+//! SIGTERM it prints the KV hand-offs by transport and exits.
 
 use clap::Parser;
+use pd_kv_transfer::transport::Transport;
 use pd_prefill::step::{StepArgs, StepConfig};
 use pd_sim::cost::WorkerCost;
 use pd_sim::fleet::{Fleet, Loss};
@@ -37,6 +40,10 @@ struct Args {
     /// Prefill step policy: the real prefill worker's flags.
     #[command(flatten)]
     step: StepArgs,
+    /// How KV reaches the decode workers: `grpc` (control messages only, the hand-off time
+    /// from the cost model) or `ucx` (every frame over UCX; needs UCX_TLS).
+    #[arg(long, default_value = "grpc")]
+    kv_transport: Transport,
     /// Runtime threads (the workers are tasks).
     #[arg(long, default_value_t = 1)]
     threads: usize,
@@ -56,7 +63,7 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(args: Args, cost: Arc<WorkerCost>, step: StepConfig) -> anyhow::Result<()> {
-    let fleet = Fleet::start(cost, step, &args.host, args.prefill, args.decode).await?;
+    let fleet = Fleet::start(cost, step, &args.host, args.prefill, args.decode, args.kv_transport).await?;
     let lines = fleet.env_lines();
     match &args.addresses {
         Some(path) => {
@@ -64,9 +71,26 @@ async fn run(args: Args, cost: Arc<WorkerCost>, step: StepConfig) -> anyhow::Res
         }
         None => print!("{lines}"),
     }
-    eprintln!("pd-sim-worker: {} prefill + {} decode workers on {}", args.prefill, args.decode, args.host);
+    eprintln!(
+        "pd-sim-worker: {} prefill + {} decode workers on {}, KV over {}",
+        args.prefill,
+        args.decode,
+        args.host,
+        args.kv_transport.name()
+    );
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        () = lose_on_schedule(&fleet, args.lose.clone()) => {}
+        r = tokio::signal::ctrl_c() => r?,
+        _ = terminate.recv() => {}
+    }
+    eprintln!("pd-sim-worker: {}; {} blocks held by UCX reservations", fleet.handoffs(), fleet.ucx_held_blocks());
+    Ok(())
+}
+
+/// Loses the workers `losses` name, each at its time into the run; never returns.
+async fn lose_on_schedule(fleet: &Fleet, mut losses: Vec<Loss>) {
     let started = tokio::time::Instant::now();
-    let mut losses = args.lose.clone();
     losses.sort_by_key(|l| l.after);
     for loss in losses {
         tokio::time::sleep_until(started + loss.after).await;
@@ -76,6 +100,5 @@ async fn run(args: Args, cost: Arc<WorkerCost>, step: StepConfig) -> anyhow::Res
             eprintln!("pd-sim-worker: --lose names no such worker: {:?} {}", loss.role, loss.index);
         }
     }
-    tokio::signal::ctrl_c().await?;
-    Ok(())
+    std::future::pending::<()>().await;
 }
