@@ -3,6 +3,8 @@
 #   1. profile:  the real prefill + decode pair measured over pd.v1 -> cost-cpu.json;
 #   2. validate: the same traffic against the real 1 + 1 cluster (deploy/local/up.sh) and
 #                against 1 + 1 simulated workers with that cost model: TTFT / ITL p95 agree?
+#   2b. ucx:     the same traffic on the simulated 1 + 1 with KV over gRPC and over UCX (pd-sim-worker
+#                --kv-transport ucx: every frame moved) -> hand-off time and TTFT of each;
 #   3. scale:    a fast cost model (cost-fast.json: 1 ms prefill steps, 5 ms decode steps) so
 #                the router is the bottleneck: 8, 32 and 128 workers (half each pool) at a
 #                fixed open-loop rate -> client latency, router CPU per request, router CPU
@@ -32,7 +34,7 @@ bin=target/release
 port=18280
 scripts/fetch-model.sh >/dev/null
 cargo build --release --quiet --workspace --bins --features pd-kv-transfer/ucx
-parts="${PARTS:-profile validate scale goodput loss virtual}"
+parts="${PARTS:-profile validate ucx scale goodput loss virtual}"
 has() { [[ " $parts " == *" $1 "* ]] && note_machine "$1"; }
 [[ -z "${PARTS:-}" ]] && rm -rf "$out/runs" "$out/logs"
 mkdir -p "$out/runs" "$out/logs" "$out/scenarios"
@@ -129,6 +131,27 @@ if has validate; then
     sim validate-sim "$out/cost-cpu.json" 1 1
     bench validate-sim "$out/scenarios/validate.txt" 1
     stop
+fi
+
+# 2b. ucx: the validate traffic on 1 + 1 simulated workers with KV over gRPC (control messages,
+# the modelled hand-off) and over UCX (every frame moved through the real UCX receiver).
+if has ucx; then
+    : >"$out/runs/ucx-kv.txt"
+    for t in grpc ucx; do
+        echo "== ucx: simulated 1 + 1, KV over $t" >&2
+        KV_TRANSPORT=$t sim "validate-sim-$t" "$out/cost-cpu.json" 1 1
+        bench "validate-sim-$t" "$out/scenarios/validate.txt" 1
+        stop
+        python3 - "$t" "$out/logs/validate-sim-$t-router.log" "$out/logs/validate-sim-$t-sim.log" \
+            >>"$out/runs/ucx-kv.txt" <<'PY'
+import json, sys
+t, router, sim = sys.argv[1:]
+ms = sorted(json.loads(l)["kv_transfer_ms"] for l in open(router) if '"kv_transfer_ms"' in l)
+pct = lambda p: ms[min(len(ms) - 1, int(p * len(ms)))] if ms else float("nan")
+line = next((l.split("pd-sim-worker: ", 1)[1].strip() for l in open(sim) if "KV hand-offs" in l), "no summary")
+print(f"transport={t} requests={len(ms)} kv_ms_p50={pct(0.5):.2f} kv_ms_p95={pct(0.95):.2f} kv_ms_max={ms[-1] if ms else 0:.2f} | {line}")
+PY
+    done
 fi
 
 # 3. scale
@@ -256,6 +279,7 @@ fi
 # The big raw files of the router-overhead and loss runs stay out of the repository (their
 # summaries and plans are kept; goodput-disagg/requests.json is the committed load test).
 rm -f "$out"/runs/scale-*/requests.json "$out"/runs/scale-*/timeline.svg "$out"/runs/loss/requests.json \
+    "$out"/runs/validate-sim-{grpc,ucx}/requests.json "$out"/runs/validate-sim-{grpc,ucx}/timeline.svg \
     "$out"/runs/loss/timeline.svg "$out"/runs/virtual-*/requests.json "$out"/runs/plan-check-*/requests.json
 python3 bench/fleet_summary.py "$out" >"$out/README.md"
 cat "$out/README.md"

@@ -47,7 +47,7 @@ with open("/proc/cpuinfo") as f:
             break
 print("# Fleet runs: the real router against simulated workers\n")
 machines = {}
-for part in ["profile", "validate", "scale", "goodput", "loss"]:
+for part in ["profile", "validate", "ucx", "scale", "goodput", "loss"]:
     path = f"{out}/runs/{part}.machine"
     if os.path.exists(path):
         with open(path) as f:
@@ -96,6 +96,26 @@ if real and simulated:
             ratio = y / x if x and y else None
             ok = "" if ratio is None or p != "p95" else ("yes" if abs(ratio - 1) <= 0.2 else "**no**")
             print(f"| {cls} | {metric[:-3].upper()} {p} | {fmt(x)} | {fmt(y)} | {fmt(ratio, 2)} | {ok} |")
+    print()
+
+ucx_kv = f"{out}/runs/ucx-kv.txt"
+grpc_run, ucx_run = summary("validate-sim-grpc"), summary("validate-sim-ucx")
+if os.path.exists(ucx_kv) and grpc_run and ucx_run:
+    print("## 2b. KV over UCX in the simulated fleet\n")
+    print("The validate traffic on 1 + 1 simulated workers, once with KV over gRPC (header and commit only, the cost")
+    print("model's hand-off time) and once over UCX (`--kv-transport ucx`: every frame of the modelled 23,040 bytes")
+    print("per token moved through the real UCX receiver and registry on loopback, committed no earlier than the")
+    print("modelled time). Hand-off: the prefill worker's `kv_commit_ms` as the router logs it. Both simulated")
+    print("workers, their UCX receiver thread and the load generator share one core, which is where UCX's tail comes from.\n")
+    print("| KV over | requests | hand-off p50 / p95 / max ms | interactive TTFT p50 / p95 ms | interactive ITL p95 ms | pd-sim-worker's count |")
+    print("|---|---|---|---|---|---|")
+    with open(ucx_kv) as f:
+        for line in f:
+            head, count = line.split(" | ", 1)
+            kv = dict(x.split("=") for x in head.split())
+            r = row(grpc_run if kv["transport"] == "grpc" else ucx_run, "interactive")
+            print(f"| {kv['transport']} | {kv['requests']} | {kv['kv_ms_p50']} / {kv['kv_ms_p95']} / {kv['kv_ms_max']} | "
+                  f"{fmt(q(r, 'ttft_ms', 'p50'))} / {fmt(q(r, 'ttft_ms', 'p95'))} | {fmt(q(r, 'itl_ms', 'p95'))} | {count.strip()} |")
     print()
 
 scale_cpu = {}
