@@ -23,6 +23,11 @@ use pd_bench::loadgen::report::Report;
 use pd_bench::loadgen::runner;
 use pd_bench::loadgen::scenario::Scenario;
 
+/// The router's allocator: `simulate` runs the router's own scheduler, and its speed is
+/// measured with the allocator the router runs with.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Debug, Parser)]
 #[command(about = "Load generator and reports for OpenAI-compatible servers")]
 struct Args {

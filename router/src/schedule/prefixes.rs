@@ -50,11 +50,20 @@ const DEFAULT_BLOCK_SIZE: u32 = 16;
 pub struct PrefixIndex {
     /// From the worker's events (None: it does not publish).
     followed: Option<Followed>,
-    /// Hashes (seed 0) this router routed there, with their expiry.
-    routed: HashMap<u64, Instant, BlockHashes>,
+    /// Hashes (seed 0) this router routed there, with their expiry and whether the hash is
+    /// of a prompt's first block.
+    routed: HashMap<u64, Routed, BlockHashes>,
     routed_block_size: u32,
     /// When expired routed hashes are next dropped.
     purge_at: Option<Instant>,
+}
+
+/// One routed block: when it stops counting as cached, and whether it is a first block
+/// (only those are told to the pool's inverted index: see `routed`).
+#[derive(Debug, Clone, Copy)]
+struct Routed {
+    expires: Instant,
+    first: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -77,7 +86,8 @@ impl PrefixIndex {
 
     /// Applies one `Load` answer's cache part; `block_size` is the worker's (0: unknown).
     /// `changed` hears every hash the worker starts (true) or stops (false) holding, so the
-    /// fleet's inverted index (`fleet/holders.rs`) follows.
+    /// fleet's inverted index (`fleet/holders.rs`) follows. (Events do not say which hashes
+    /// are first blocks, so all of them are told; routed prefixes tell only their first.)
     pub fn apply(&mut self, events: Option<pb::CacheEvents>, block_size: u32, changed: &mut dyn FnMut(u64, bool)) {
         self.routed_block_size = if block_size > 0 { block_size } else { DEFAULT_BLOCK_SIZE };
         let Some(e) = events else {
@@ -128,14 +138,15 @@ impl PrefixIndex {
         if let Some(f) = self.followed.take() {
             f.hashes.iter().for_each(|h| changed(*h, false));
         }
-        self.routed.drain().for_each(|(h, _)| changed(h, false));
+        self.routed.drain().filter(|(_, r)| r.first).for_each(|(h, _)| changed(h, false));
     }
 
-    /// Every hash known (events) or remembered (routed), expired or not.
+    /// Every hash the inverted index holds for this worker: known from events, or the first
+    /// blocks of prefixes routed here (expired or not).
     pub fn for_each_hash(&self, f: &mut dyn FnMut(u64)) {
         match &self.followed {
             Some(fw) => fw.hashes.iter().for_each(|h| f(*h)),
-            None => self.routed.keys().for_each(|h| f(*h)),
+            None => self.routed.iter().filter(|(_, r)| r.first).for_each(|(h, _)| f(*h)),
         }
     }
 
@@ -159,29 +170,35 @@ impl PrefixIndex {
         let hashes = prompt.hashes(seed, bs);
         let found = match &self.followed {
             Some(f) => hashes.iter().take_while(|h| f.hashes.contains(h)).count(),
-            None => hashes.iter().take_while(|h| self.routed.get(h).is_some_and(|t| *t > now)).count(),
+            None => hashes.iter().take_while(|h| self.routed.get(h).is_some_and(|r| r.expires > now)).count(),
         };
         found * bs as usize
     }
 
     /// A prompt was routed here: without events, remember its blocks for `ROUTED_TTL`
-    /// (expired ones are dropped at most once per `ROUTED_TTL / 8`).
+    /// (expired ones are dropped at most once per `ROUTED_TTL / 8`). `changed` hears only
+    /// the first block's hash: the pool's index is asked for the holders of a prompt's first
+    /// block only (a cached prefix starts there), and telling it every block was most of a
+    /// long run's routing cost (documents of a hundred blocks each).
     pub fn routed(&mut self, prompt: &Prompt, now: Instant, changed: &mut dyn FnMut(u64, bool)) {
         if self.followed.is_some() {
             return;
         }
         if self.purge_at.is_none_or(|at| at <= now) {
-            self.routed.retain(|h, t| {
-                let keep = *t > now;
-                if !keep {
+            self.routed.retain(|h, r| {
+                let keep = r.expires > now;
+                if !keep && r.first {
                     changed(*h, false);
                 }
                 keep
             });
             self.purge_at = Some(now + ROUTED_TTL / 8);
         }
-        for h in prompt.hashes(0, self.routed_block_size).iter() {
-            if self.routed.insert(*h, now + ROUTED_TTL).is_none() {
+        let expires = now + ROUTED_TTL;
+        for (i, h) in prompt.hashes(0, self.routed_block_size).iter().enumerate() {
+            let first = i == 0;
+            let was = self.routed.insert(*h, Routed { expires, first });
+            if first && was.is_none() {
                 changed(*h, true);
             }
         }

@@ -1,5 +1,8 @@
 //! Rates the admission estimate reads: how fast streams end, and how fast the top-priority
 //! queue is served while it holds requests. Plain data on instants the caller passes in.
+//! Both are read for every request, so neither walks its samples: instants are kept in order
+//! (a caller's instant older than the last one recorded counts as the last one), the window
+//! is found by binary search, and busy spans carry a running total.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -12,21 +15,25 @@ const RATE_MIN_SAMPLES: usize = 3;
 /// Shortest time with a non-empty queue in the window that makes a service rate.
 const SERVICE_MIN_BUSY: Duration = Duration::from_millis(500);
 
-/// Recent instants of one kind of event, for its rate.
+/// Recent instants of one kind of event, in order, for its rate.
 #[derive(Debug, Default)]
 pub struct Events(VecDeque<Instant>);
 
 impl Events {
     pub fn record(&mut self, at: Instant) {
+        let at = self.0.back().map_or(at, |&last| at.max(last));
         self.0.push_back(at);
         if self.0.len() > RATE_SAMPLES {
             self.0.pop_front();
         }
     }
 
-    /// Events within the last `RATE_WINDOW`.
+    /// Events within the last `RATE_WINDOW` (after `now - RATE_WINDOW`).
     fn recent(&self, now: Instant) -> usize {
-        self.0.iter().filter(|t| now.saturating_duration_since(**t) < RATE_WINDOW).count()
+        match now.checked_sub(RATE_WINDOW) {
+            Some(from) => self.0.len() - self.0.partition_point(|t| *t <= from),
+            None => self.0.len(),
+        }
     }
 
     /// Events per second over the last `RATE_WINDOW`; None when too few happened in it to
@@ -45,8 +52,9 @@ impl Events {
 #[derive(Debug, Default)]
 pub struct Service {
     pub grants: Events,
-    /// Closed spans of time with a non-empty queue, oldest first, and the open one.
-    busy: VecDeque<(Instant, Instant)>,
+    /// Closed spans of time with a non-empty queue, oldest first, each with the busy time of
+    /// all spans up to its end (since the first ever); and the open one.
+    busy: VecDeque<(Instant, Instant, Duration)>,
     since: Option<Instant>,
 }
 
@@ -56,7 +64,12 @@ impl Service {
         match (waiting, self.since) {
             (true, None) => self.since = Some(now),
             (false, Some(start)) => {
-                self.busy.push_back((start, now));
+                let (start, before) = match self.busy.back() {
+                    Some(&(_, end, total)) => (start.max(end), total),
+                    None => (start, Duration::ZERO),
+                };
+                let now = now.max(start);
+                self.busy.push_back((start, now, before + (now - start)));
                 if self.busy.len() > RATE_SAMPLES {
                     self.busy.pop_front();
                 }
@@ -66,12 +79,15 @@ impl Service {
         }
     }
 
-    /// Time the queue held requests within the last `RATE_WINDOW`.
+    /// Time the queue held requests within the last `RATE_WINDOW`: the spans ending after
+    /// its start (the first of them cut at the start), and the open one.
     fn busy_within(&self, now: Instant) -> Duration {
         let from = now.checked_sub(RATE_WINDOW).unwrap_or(now);
-        let open = self.since.map(|s| (s, now));
-        let spans = self.busy.iter().copied().chain(open);
-        spans.map(|(a, b)| b.saturating_duration_since(a.max(from))).sum()
+        let open = self.since.map_or(Duration::ZERO, |s| now.saturating_duration_since(s.max(from)));
+        let first = self.busy.partition_point(|&(_, end, _)| end <= from);
+        let Some(&(start, end, total)) = self.busy.get(first) else { return open };
+        let last_total = self.busy.back().map_or(total, |&(.., t)| t);
+        end.saturating_duration_since(start.max(from)) + (last_total - total) + open
     }
 
     /// Grants per second of busy time; None when too few grants or too little busy time in
@@ -103,6 +119,42 @@ mod tests {
             events.record(start + Duration::from_micros(i as u64));
         }
         assert_eq!(events.0.len(), RATE_SAMPLES, "bounded memory");
+    }
+
+    #[test]
+    fn the_binary_searched_window_and_running_totals_agree_with_walking_every_sample() {
+        let t0 = Instant::now();
+        let (mut service, mut spans, mut events) = (Service::default(), Vec::new(), Vec::new());
+        let mut x: u64 = 7;
+        let mut draw = |n: u64| {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (x >> 33) % n
+        };
+        let mut t = Duration::ZERO;
+        for _ in 0..2_000 {
+            t += Duration::from_millis(draw(200));
+            let waiting = draw(2) == 0;
+            if waiting != service.since.is_some() {
+                if !waiting {
+                    spans.push((service.since.expect("open"), t0 + t));
+                }
+                service.note(waiting, t0 + t);
+            }
+            if draw(3) == 0 {
+                service.grants.record(t0 + t);
+                events.push(t0 + t);
+            }
+            let now = t0 + t + Duration::from_millis(draw(50));
+            let from = now.checked_sub(RATE_WINDOW).unwrap_or(now);
+            let kept = &spans[spans.len().saturating_sub(RATE_SAMPLES)..];
+            let open = service.since.map(|s| (s, now));
+            let walked: Duration =
+                kept.iter().copied().chain(open).map(|(a, b)| b.saturating_duration_since(a.max(from))).sum();
+            assert_eq!(service.busy_within(now), walked);
+            let kept = &events[events.len().saturating_sub(RATE_SAMPLES)..];
+            let recent = kept.iter().filter(|e| now.saturating_duration_since(**e) < RATE_WINDOW).count();
+            assert_eq!(service.grants.recent(now), recent);
+        }
     }
 
     #[test]

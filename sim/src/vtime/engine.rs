@@ -4,7 +4,6 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -12,6 +11,7 @@ use pd_router::error::RouterError;
 use pd_router::schedule::state::{Placement, State};
 use pd_router::schedule::{round_interval, Prompt};
 
+use super::slab::Slab;
 use super::workers::{DecodeSeq, StepOutcome, VDecode, VPrefill};
 use super::{Config, Outcome, Request, Totals, Traffic};
 
@@ -72,34 +72,12 @@ struct Engine<'t, T: Traffic> {
     decode: Vec<VDecode>,
     prefill: Vec<VPrefill>,
     index: HashMap<String, usize>,
-    live: HashMap<u64, Live, BuildHasherDefault<IdHasher>>,
-    next_id: u64,
+    live: Slab<Live>,
     more_traffic: bool,
     totals: Totals,
     scratch_tokens: Vec<StepOutcome>,
     scratch_done: Vec<(u64, usize)>,
     jitter: Option<SplitMix>,
-}
-
-/// Hashes request ids (sequential integers) by one multiplication: the map of live requests
-/// is read for every token of every request.
-#[derive(Debug, Default)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
 }
 
 /// A small deterministic generator (splitmix64) for the message-time jitter.
@@ -140,8 +118,7 @@ pub fn run<T: Traffic>(cfg: Config, traffic: &mut T) -> Totals {
         scheduled: 0,
         state,
         index,
-        live: HashMap::default(),
-        next_id: 0,
+        live: Slab::default(),
         more_traffic: true,
         totals: Totals::default(),
         scratch_tokens: Vec::new(),
@@ -214,7 +191,7 @@ impl<T: Traffic> Engine<'_, T> {
             Ev::PrefillStep(w, generation) => self.prefill_step(w as usize, generation),
             Ev::Commit(id) => self.commit(id),
             Ev::PrefillDone(id) => {
-                if let Some(seq) = self.live.get(&id).map(|l| l.seq) {
+                if let Some(seq) = self.live.get(id).map(|l| l.seq) {
                     self.state.prefill_done(seq);
                     self.dispatch();
                 }
@@ -227,12 +204,10 @@ impl<T: Traffic> Engine<'_, T> {
     fn send(&mut self, sendings: Vec<(Duration, Request)>) {
         for (t, request) in sendings {
             let t = t.max(self.now);
-            self.next_id += 1;
-            let id = self.next_id;
             self.totals.requests += 1;
             let tokens = Vec::with_capacity(request.max_tokens.min(4096));
             let live = Live { request, sent: t, tokens, seq: 0, granted: false, stall_at: 0, decode: 0, prefill: None };
-            self.live.insert(id, live);
+            let id = self.live.insert(live);
             let hop = self.message();
             self.at(t + hop, Ev::Arrive(id));
         }
@@ -267,7 +242,7 @@ impl<T: Traffic> Engine<'_, T> {
     }
 
     fn arrive(&mut self, id: u64) {
-        let Some(live) = self.live.get(&id) else { return };
+        let Some(live) = self.live.get(id) else { return };
         let (class, prompt, max_tokens) =
             (live.request.class.clone(), live.request.prompt.clone(), live.request.max_tokens);
         let now = self.instant();
@@ -278,12 +253,12 @@ impl<T: Traffic> Engine<'_, T> {
         });
         match admitted {
             Ok(a) => {
-                if let Some(l) = self.live.get_mut(&id) {
+                if let Some(l) = self.live.get_mut(id) {
                     l.seq = a.seq;
                 }
                 let at = (self.now + a.stall_after).as_nanos() as u64;
                 self.stalls.insert((at, id));
-                if let Some(l) = self.live.get_mut(&id) {
+                if let Some(l) = self.live.get_mut(id) {
                     l.stall_at = at;
                 }
                 self.dispatch();
@@ -303,7 +278,7 @@ impl<T: Traffic> Engine<'_, T> {
         let decode = self.index.get(&p.decode).copied();
         let prefill = p.prefill.as_ref().and_then(|a| self.index.get(a).copied());
         self.totals.local_prefills += u64::from(prefill.is_none());
-        let Some(live) = self.live.get_mut(&id) else { return };
+        let Some(live) = self.live.get_mut(id) else { return };
         self.stalls.remove(&(live.stall_at, id));
         live.granted = true;
         live.decode = decode.unwrap_or_default();
@@ -316,7 +291,7 @@ impl<T: Traffic> Engine<'_, T> {
     /// no longer holds (dropped when the last decode worker left) fails as the router's waiter
     /// would see it, with no worker.
     fn stall(&mut self, id: u64) {
-        let Some(live) = self.live.get(&id) else { return };
+        let Some(live) = self.live.get(id) else { return };
         if live.granted {
             return;
         }
@@ -329,7 +304,7 @@ impl<T: Traffic> Engine<'_, T> {
     }
 
     fn reserve(&mut self, id: u64) {
-        let Some(live) = self.live.get(&id) else { return };
+        let Some(live) = self.live.get(id) else { return };
         let (w, input, max_tokens, seq) = (live.decode, live.request.prompt.len(), live.request.max_tokens, live.seq);
         let local = live.prefill.is_none();
         let d = &mut self.decode[w];
@@ -356,7 +331,7 @@ impl<T: Traffic> Engine<'_, T> {
     }
 
     fn opened(&mut self, id: u64) {
-        let Some(live) = self.live.get(&id) else { return };
+        let Some(live) = self.live.get(id) else { return };
         let (seq, remote) = (live.seq, live.prefill.is_some());
         self.state.decode_opened(seq);
         if remote {
@@ -366,7 +341,7 @@ impl<T: Traffic> Engine<'_, T> {
     }
 
     fn prefill_arrive(&mut self, id: u64) {
-        let Some(live) = self.live.get(&id) else { return };
+        let Some(live) = self.live.get(id) else { return };
         let Some(w) = live.prefill else { return };
         let len = live.request.prompt.len();
         let busy = self.prefill[w].is_stepping();
@@ -399,13 +374,12 @@ impl<T: Traffic> Engine<'_, T> {
 
     fn commit(&mut self, id: u64) {
         let hop = self.cfg.hop;
-        let Some(live) = self.live.get_mut(&id) else { return };
+        let Some(live) = self.live.get_mut(id) else { return };
         live.tokens.push(self.now + hop * 2);
         let (w, input, max_tokens) = (live.decode, live.request.prompt.len(), live.request.max_tokens);
-        let cost = self.cfg.cost.clone();
+        let blocks = self.cfg.cost.blocks_for(input + max_tokens);
         let d = &mut self.decode[w];
         d.pending = d.pending.saturating_sub(1);
-        let blocks = cost.blocks_for(input + max_tokens);
         if max_tokens <= 1 {
             d.free_blocks += blocks;
             self.after(hop, Ev::Release(id));
@@ -433,7 +407,7 @@ impl<T: Traffic> Engine<'_, T> {
         let hop = self.cfg.hop;
         for t in out.drain(..) {
             let StepOutcome::Token { id, finished } = t;
-            if let Some(live) = self.live.get_mut(&id) {
+            if let Some(live) = self.live.get_mut(id) {
                 live.tokens.push(self.now + hop * 2);
             }
             if finished {
@@ -446,7 +420,7 @@ impl<T: Traffic> Engine<'_, T> {
 
     /// The stream's end at the router: the bookings go back, the client sees the end.
     fn release(&mut self, id: u64) {
-        let Some(live) = self.live.remove(&id) else { return };
+        let Some(live) = self.live.remove(id) else { return };
         self.state.release(live.seq, true, self.instant());
         self.dispatch();
         let outcome = Outcome {
@@ -462,7 +436,7 @@ impl<T: Traffic> Engine<'_, T> {
 
     /// The request fails with `e` (its bookings, if any, already given back).
     fn fail(&mut self, id: u64, e: &RouterError) {
-        let Some(live) = self.live.remove(&id) else { return };
+        let Some(live) = self.live.remove(id) else { return };
         let retry_after_s = match e {
             RouterError::Overloaded { retry_after_s, .. } => Some(*retry_after_s),
             _ => None,

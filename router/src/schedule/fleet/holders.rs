@@ -1,5 +1,6 @@
 //! The pool's inverted prefix index: for every block hash some worker holds (from its cache
-//! events, or remembered as routed there), the workers that hold it. A prompt's cached prefix
+//! events, or the first block of a prefix remembered as routed there), the workers that hold
+//! it. A prompt's cached prefix
 //! on a worker starts with its first block, so the workers holding that one hash are the only
 //! ones worth asking (`PrefixIndex::cached_tokens`): finding where a prompt is cached costs
 //! the holders of its first block, not a scan of the pool.

@@ -5,33 +5,30 @@
 //! (how many prompts, and their tokens, at each count), so the sum for any cap costs
 //! O(log LIMIT), and a worker's change costs O(its prompts x log LIMIT).
 
-use std::collections::HashMap;
-
 /// Token counts at or above this are counted as `LIMIT - 1` (caps too): exact for prompts and
 /// caps below 262,144 tokens.
 const LIMIT: usize = 1 << 18;
 
 #[derive(Debug, Default)]
 pub struct InFlight {
-    /// Fenwick trees (1-based) of prompt counts and token sums by token count; empty until
-    /// the first prompt.
-    count: Vec<u64>,
-    sum: Vec<u64>,
-    /// What each worker (by slot) contributes now.
-    by_slot: HashMap<usize, Vec<usize>>,
+    /// Fenwick tree (1-based) of (prompt count, token sum) by token count, the two side by
+    /// side so that an update touches one cache line per node; empty until the first prompt.
+    tree: Vec<[u64; 2]>,
+    /// What each worker (by slot) contributes now, sorted and clamped below `LIMIT`.
+    by_slot: Vec<Vec<usize>>,
 }
 
 impl InFlight {
     fn add(&mut self, value: usize, sign: i64) {
-        if self.count.is_empty() {
-            self.count = vec![0; LIMIT + 1];
-            self.sum = vec![0; LIMIT + 1];
+        if self.tree.is_empty() {
+            self.tree = vec![[0; 2]; LIMIT + 1];
         }
         let v = value.min(LIMIT - 1);
         let mut i = v + 1;
         while i <= LIMIT {
-            self.count[i] = self.count[i].wrapping_add_signed(sign);
-            self.sum[i] = self.sum[i].wrapping_add_signed(sign * v as i64);
+            let node = &mut self.tree[i];
+            node[0] = node[0].wrapping_add_signed(sign);
+            node[1] = node[1].wrapping_add_signed(sign * v as i64);
             i += i & i.wrapping_neg();
         }
     }
@@ -40,29 +37,56 @@ impl InFlight {
     fn below(&self, v: usize) -> (u64, u64) {
         let (mut n, mut t) = (0u64, 0u64);
         let mut i = v.min(LIMIT);
-        while i > 0 && !self.count.is_empty() {
-            n = n.wrapping_add(self.count[i]);
-            t = t.wrapping_add(self.sum[i]);
+        while i > 0 && !self.tree.is_empty() {
+            let [count, sum] = self.tree[i];
+            n = n.wrapping_add(count);
+            t = t.wrapping_add(sum);
             i &= i - 1;
         }
         (n, t)
     }
 
-    /// Worker `slot` now has `values` in flight (replacing what it had).
+    /// Worker `slot` now has `values` in flight (replacing what it had). Only the difference
+    /// reaches the trees: a worker is re-filed at every booking and refresh, mostly with the
+    /// prompts it already had.
     pub fn set(&mut self, slot: usize, values: impl Iterator<Item = usize>) {
-        let new: Vec<usize> = values.collect();
-        let old = if new.is_empty() { self.by_slot.remove(&slot) } else { self.by_slot.insert(slot, new.clone()) };
-        for v in old.unwrap_or_default() {
-            self.add(v, -1);
+        let mut new: Vec<usize> = values.map(|v| v.min(LIMIT - 1)).collect();
+        new.sort_unstable();
+        if self.by_slot.len() <= slot {
+            self.by_slot.resize_with(slot + 1, Vec::new);
         }
-        for &v in &new {
-            self.add(v, 1);
+        let old = std::mem::take(&mut self.by_slot[slot]);
+        if old == new {
+            self.by_slot[slot] = old;
+            return;
         }
+        let (mut a, mut b) = (old.iter().peekable(), new.iter().peekable());
+        loop {
+            match (a.peek(), b.peek()) {
+                (Some(x), Some(y)) if x == y => {
+                    a.next();
+                    b.next();
+                }
+                (Some(&&x), Some(&&y)) if x < y => {
+                    self.add(x, -1);
+                    a.next();
+                }
+                (_, Some(&&y)) => {
+                    self.add(y, 1);
+                    b.next();
+                }
+                (Some(&&x), None) => {
+                    self.add(x, -1);
+                    a.next();
+                }
+                (None, None) => break,
+            }
+        }
+        self.by_slot[slot] = new;
     }
 
     pub fn clear(&mut self) {
-        self.count.clear();
-        self.sum.clear();
+        self.tree.clear();
         self.by_slot.clear();
     }
 
@@ -77,6 +101,8 @@ impl InFlight {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
+
     use super::*;
 
     #[test]
@@ -89,8 +115,12 @@ mod tests {
             x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             let slot = (x >> 33) as usize % 9;
             let n = (x >> 20) as usize % 4;
-            let values: Vec<usize> =
+            let mut values: Vec<usize> =
                 (0..n).map(|i| ((x >> (i * 7)) as usize % 3000) * (1 + (step % 3) * 100)).collect();
+            // Repeated values (two prompts of one length) are counted as often as they occur.
+            if step % 5 == 0 {
+                values.extend(values.clone());
+            }
             f.set(slot, values.iter().copied());
             plain.insert(slot, values);
             for cap in [0, 1, 50, 512, 2999, 300_000] {
