@@ -22,6 +22,7 @@ use std::ops::Bound;
 use std::time::{Duration, Instant};
 
 use pd_proto::v1 as pb;
+use rustc_hash::FxHashMap;
 
 use super::policy;
 use super::prefixes::Prompt;
@@ -46,8 +47,8 @@ pub struct Fleet {
     decode: Vec<DecodeState>,
     prefill: Vec<PrefillState>,
     /// Position of each worker in `decode` / `prefill` by address.
-    decode_index: HashMap<String, usize>,
-    prefill_index: HashMap<String, usize>,
+    decode_index: FxHashMap<String, usize>,
+    prefill_index: FxHashMap<String, usize>,
     decode_order: BTreeSet<DecodeKey>,
     prefill_order: BTreeSet<PrefillKey>,
     /// Prefill workers with prompts in flight.
@@ -87,8 +88,8 @@ impl Fleet {
         Fleet {
             decode: Vec::new(),
             prefill: Vec::new(),
-            decode_index: HashMap::new(),
-            prefill_index: HashMap::new(),
+            decode_index: FxHashMap::default(),
+            prefill_index: FxHashMap::default(),
             decode_order: BTreeSet::new(),
             prefill_order: BTreeSet::new(),
             prefill_busy: BTreeSet::new(),

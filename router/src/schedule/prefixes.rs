@@ -8,7 +8,8 @@
 //! Lookups hash the prompt the way the worker does (`pd_engine::kv::prefix`, the worker's
 //! seed and block size) and count its leading blocks found.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pd_engine::kv::prefix;
@@ -16,6 +17,10 @@ use pd_proto::v1 as pb;
 
 /// How long a prefix routed to a worker that publishes no events counts as cached there.
 pub const ROUTED_TTL: Duration = Duration::from_secs(120);
+
+/// Routed prefixes expire in ticks of this many nanoseconds (1/16 s) from the index's first
+/// routing: a u32 of them lasts eight years, and an expiry is at most one tick late.
+const TICK_NS: u128 = 62_500_000;
 
 /// Maps and sets keyed by block hashes use them as they are: they are already uniform (cut
 /// from SHA-256 digests), and hashing them again with SipHash was a sixth of a long
@@ -50,20 +55,14 @@ const DEFAULT_BLOCK_SIZE: u32 = 16;
 pub struct PrefixIndex {
     /// From the worker's events (None: it does not publish).
     followed: Option<Followed>,
-    /// Hashes (seed 0) this router routed there, with their expiry and whether the hash is
-    /// of a prompt's first block.
-    routed: HashMap<u64, Routed, BlockHashes>,
+    /// Hashes (seed 0) this router routed there, with the tick they stop counting at.
+    routed: HashMap<u64, u32, BlockHashes>,
+    /// Every routing within `ROUTED_TTL`, oldest first: its expiry tick and its hashes, so
+    /// that expired hashes are dropped by looking at those alone, never by a scan of all.
+    expiring: VecDeque<(u32, Arc<Vec<u64>>)>,
+    /// Where ticks count from (the first routing).
+    epoch: Option<Instant>,
     routed_block_size: u32,
-    /// When expired routed hashes are next dropped.
-    purge_at: Option<Instant>,
-}
-
-/// One routed block: when it stops counting as cached, and whether it is a first block
-/// (only those are told to the pool's inverted index: see `routed`).
-#[derive(Debug, Clone, Copy)]
-struct Routed {
-    expires: Instant,
-    first: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -138,7 +137,26 @@ impl PrefixIndex {
         if let Some(f) = self.followed.take() {
             f.hashes.iter().for_each(|h| changed(*h, false));
         }
-        self.routed.drain().filter(|(_, r)| r.first).for_each(|(h, _)| changed(h, false));
+        self.routed_firsts(&mut |h| changed(h, false));
+        self.routed.clear();
+        self.expiring.clear();
+    }
+
+    /// The first blocks' hashes of the routed prefixes the map holds (a hash routed twice
+    /// within one tick is told twice: the holders index takes that as once).
+    fn routed_firsts(&self, f: &mut dyn FnMut(u64)) {
+        for (tick, hashes) in &self.expiring {
+            // The map keeps a hash's latest routing: only that one tells it.
+            if let Some(&h) = hashes.first().filter(|h| self.routed.get(*h) == Some(tick)) {
+                f(h);
+            }
+        }
+    }
+
+    /// `t` in ticks from the first routing.
+    fn tick(&self, t: Instant) -> u32 {
+        let since = self.epoch.map_or(Duration::ZERO, |e| t.saturating_duration_since(e));
+        (since.as_nanos() / TICK_NS).min(u128::from(u32::MAX)) as u32
     }
 
     /// Every hash the inverted index holds for this worker: known from events, or the first
@@ -146,7 +164,7 @@ impl PrefixIndex {
     pub fn for_each_hash(&self, f: &mut dyn FnMut(u64)) {
         match &self.followed {
             Some(fw) => fw.hashes.iter().for_each(|h| f(*h)),
-            None => self.routed.iter().filter(|(_, r)| r.first).for_each(|(h, _)| f(*h)),
+            None => self.routed_firsts(f),
         }
     }
 
@@ -170,38 +188,51 @@ impl PrefixIndex {
         let hashes = prompt.hashes(seed, bs);
         let found = match &self.followed {
             Some(f) => hashes.iter().take_while(|h| f.hashes.contains(h)).count(),
-            None => hashes.iter().take_while(|h| self.routed.get(h).is_some_and(|r| r.expires > now)).count(),
+            None => {
+                let now = self.tick(now);
+                hashes.iter().take_while(|h| self.routed.get(h).is_some_and(|&expires| expires > now)).count()
+            }
         };
         found * bs as usize
     }
 
-    /// A prompt was routed here: without events, remember its blocks for `ROUTED_TTL`
-    /// (expired ones are dropped at most once per `ROUTED_TTL / 8`). `changed` hears only
-    /// the first block's hash: the pool's index is asked for the holders of a prompt's first
-    /// block only (a cached prefix starts there), and telling it every block was most of a
-    /// long run's routing cost (documents of a hundred blocks each).
+    /// A prompt was routed here: without events, remember its blocks for `ROUTED_TTL`,
+    /// dropping the routings that expired by now (the oldest, so only those are looked at).
+    /// `changed` hears only first blocks' hashes: the pool's index is asked for the holders
+    /// of a prompt's first block only (a cached prefix starts there), and telling it every
+    /// block was most of a long run's routing cost (documents of a hundred blocks each).
     pub fn routed(&mut self, prompt: &Prompt, now: Instant, changed: &mut dyn FnMut(u64, bool)) {
         if self.followed.is_some() {
             return;
         }
-        if self.purge_at.is_none_or(|at| at <= now) {
-            self.routed.retain(|h, r| {
-                let keep = r.expires > now;
-                if !keep && r.first {
-                    changed(*h, false);
+        self.epoch.get_or_insert(now);
+        let current = self.tick(now);
+        while let Some((tick, hashes)) = self.expiring.front().filter(|(tick, _)| *tick <= current) {
+            let tick = *tick;
+            for (i, h) in hashes.iter().enumerate() {
+                // Routed again since: the later routing keeps it.
+                if self.routed.get(h) == Some(&tick) {
+                    self.routed.remove(h);
+                    if i == 0 {
+                        changed(*h, false);
+                    }
                 }
-                keep
-            });
-            self.purge_at = Some(now + ROUTED_TTL / 8);
+            }
+            self.expiring.pop_front();
         }
-        let expires = now + ROUTED_TTL;
-        for (i, h) in prompt.hashes(0, self.routed_block_size).iter().enumerate() {
-            let first = i == 0;
-            let was = self.routed.insert(*h, Routed { expires, first });
-            if first && was.is_none() {
+        // Rounded up: a routing never counts for less than `ROUTED_TTL`.
+        let expires = self.tick(now + ROUTED_TTL).saturating_add(1);
+        let hashes = prompt.hashes(0, self.routed_block_size);
+        if hashes.is_empty() {
+            return;
+        }
+        for (i, h) in hashes.iter().enumerate() {
+            let was = self.routed.insert(*h, expires);
+            if i == 0 && was.is_none() {
                 changed(*h, true);
             }
         }
+        self.expiring.push_back((expires, hashes));
     }
 
     /// Cached hashes known (events) or remembered (routed), for tests and debugging.
@@ -299,5 +330,40 @@ mod tests {
         index.routed(&prompt, now, &mut |_, _| {});
         assert_eq!(index.cached_tokens(&prompt, now), 32);
         assert_eq!(index.cached_tokens(&prompt, now + ROUTED_TTL + Duration::from_secs(1)), 0);
+    }
+
+    #[test]
+    fn a_prefix_routed_again_outlives_its_first_routing_and_the_holders_hear_its_end() {
+        let a = Prompt::new((0..40).collect());
+        let b = Prompt::new((100..140).collect());
+        let first_a = a.hashes(0, 16)[0];
+        let mut index = PrefixIndex::default();
+        index.apply(None, 16, &mut |_, _| {});
+        let t0 = Instant::now();
+        let mut told = Vec::new();
+        index.routed(&a, t0, &mut |h, held| told.push((h, held)));
+        assert_eq!(told, vec![(first_a, true)], "only the first block is told");
+        index.routed(&a, t0 + Duration::from_secs(100), &mut |h, held| told.push((h, held)));
+        assert_eq!(told.len(), 1, "already held");
+        // The first routing expired; the second still counts.
+        let later = t0 + ROUTED_TTL + Duration::from_secs(10);
+        index.routed(&b, later, &mut |h, held| told.push((h, held)));
+        assert_eq!(index.cached_tokens(&a, later), 32);
+        assert_eq!(told.len(), 2, "b's first block only: {told:?}");
+        let mut firsts = Vec::new();
+        index.for_each_hash(&mut |h| firsts.push(h));
+        firsts.sort_unstable();
+        let mut want = vec![first_a, b.hashes(0, 16)[0]];
+        want.sort_unstable();
+        assert_eq!(firsts, want);
+        // Past the second routing's expiry a's blocks are dropped, and the holders hear it.
+        let end = t0 + Duration::from_secs(100) + ROUTED_TTL + Duration::from_secs(1);
+        index.routed(&b, end, &mut |h, held| told.push((h, held)));
+        assert_eq!(told.last(), Some(&(first_a, false)));
+        assert_eq!(index.cached_tokens(&a, end), 0);
+        assert_eq!(index.len(), 2, "b's two blocks");
+        index.forget(&mut |h, held| told.push((h, held)));
+        assert_eq!(told.last(), Some(&(b.hashes(0, 16)[0], false)));
+        assert!(index.is_empty());
     }
 }

@@ -3,13 +3,14 @@
 //! life). Events at the same instant run in the order they were scheduled.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap, HashMap};
+use std::collections::{BTreeSet, BinaryHeap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pd_router::error::RouterError;
 use pd_router::schedule::state::{Placement, State};
 use pd_router::schedule::{round_interval, Prompt};
+use rustc_hash::FxHashMap;
 
 use super::slab::Slab;
 use super::workers::{DecodeSeq, StepOutcome, VDecode, VPrefill};
@@ -71,7 +72,8 @@ struct Engine<'t, T: Traffic> {
     state: State<u64>,
     decode: Vec<VDecode>,
     prefill: Vec<VPrefill>,
-    index: HashMap<String, usize>,
+    /// Worker address -> position in its pool (`granted`, for every request).
+    index: FxHashMap<String, usize>,
     live: Slab<Live>,
     more_traffic: bool,
     totals: Totals,
@@ -97,7 +99,7 @@ impl SplitMix {
 /// Runs `traffic` against the fleet of `cfg` until every request has ended and the traffic
 /// sends no more; outcomes go to `traffic.ended`.
 pub fn run<T: Traffic>(cfg: Config, traffic: &mut T) -> Totals {
-    let mut index = HashMap::new();
+    let mut index = FxHashMap::default();
     for i in 0..cfg.decode {
         index.insert(decode_addr(i), i);
     }
