@@ -4,7 +4,8 @@
 //! fail where transformers raised. One difference is known and checked: a tool-use template
 //! that loops over `tools` when a request has none raises TypeError in Python (None is not
 //! iterable) while minijinja iterates None as empty; there pd must render exactly what
-//! transformers renders with `tools=[]` (`text_with_empty_tools`).
+//! transformers renders with `tools=[]` (`text_with_empty_tools`). Whether a template reads the
+//! `tools` variable (pd's `uses_tools`) is checked against jinja2's own analysis.
 
 use std::path::PathBuf;
 use std::time::{Duration, UNIX_EPOCH};
@@ -32,7 +33,7 @@ fn real_templates_render_as_transformers_does() {
     let now = UNIX_EPOCH + Duration::from_secs(expected["now_utc_seconds"].as_u64().expect("now_utc_seconds"));
     let mut failures = Vec::new();
     let templates = expected["templates"].as_object().expect("templates");
-    assert!(templates.len() >= 9, "expected.json covers {} templates", templates.len());
+    assert!(templates.len() >= 12, "expected.json covers {} templates", templates.len());
     for (name, spec) in templates {
         let source = std::fs::read_to_string(data().join(format!("{name}.jinja"))).expect("template file");
         let (bos, eos) = (spec["bos"].as_str().unwrap_or(""), spec["eos"].as_str().unwrap_or(""));
@@ -43,6 +44,14 @@ fn real_templates_render_as_transformers_does() {
                 continue;
             }
         };
+        // Whether pd hands the request's tools to the template or describes them itself.
+        if Some(template.uses_tools()) != spec["reads_tools"].as_bool() {
+            failures.push(format!(
+                "{name}: pd says the template reads `tools`: {}, jinja2 says {}",
+                template.uses_tools(),
+                spec["reads_tools"]
+            ));
+        }
         let (mut matched, mut total, mut lenient) = (0, 0, 0);
         for (case, c) in spec["cases"].as_object().expect("cases") {
             total += 1;

@@ -1,10 +1,14 @@
-"""Renders the real chat templates in engine/tests/data/chat_templates/ (the models' own, as
-llama.cpp keeps them in models/templates, copied unchanged from the llama-cpp-python 0.3.36
-sdist on PyPI) the way Hugging Face
+"""Renders the real chat templates in engine/tests/data/chat_templates/ (the models' own, copied
+unchanged from packages on PyPI: most as llama.cpp keeps them in models/templates, from the
+llama-cpp-python 0.3.36 sdist; google-gemma-3-4b-it from xinference 4.1.0's
+model/llm/models/gemma-3-it.json, the `chat_template` of gemma-3's tokenizer_config.json;
+microsoft-Phi-4-mini-instruct from guidance 0.3.1's chat.py, `phi_4_mini_template`, copied there
+from Phi-4-mini-instruct's tokenizer_config.json) the way Hugging Face
 transformers' `apply_chat_template` does (its own `render_jinja_template`, called with the
 template text, so no tokenizer is downloaded) for a fixed set of conversations, and writes
 engine/tests/data/chat_templates/expected.json, which engine/tests/chat_templates.rs compares
-pd's rendering with. Run by hand (transformers is not a CI dependency):
+pd's rendering with. It also records whether each template reads the `tools` variable (jinja2's
+own `meta.find_undeclared_variables`): where it does not, pd describes the tools itself. Run by hand (transformers is not a CI dependency):
 
   target/refenv/bin/python scripts/reference/chat_templates.py
 
@@ -17,6 +21,9 @@ import datetime as dt
 import json
 import pathlib
 
+import jinja2
+import jinja2.ext
+import jinja2.meta
 import transformers
 from transformers.utils import chat_template_utils as ctu
 
@@ -46,6 +53,8 @@ TEMPLATES = {
     "Mistral-Small-3.2-24B-Instruct-2506": ("<s>", "</s>"),
     "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": ("<|begin_of_text|>", "<|im_end|>"),
     "HuggingFaceTB-SmolLM3-3B": ("", "<|im_end|>"),
+    "google-gemma-3-4b-it": ("<bos>", "<eos>"),
+    "microsoft-Phi-4-mini-instruct": ("<|endoftext|>", "<|endoftext|>"),
 }
 
 TOOLS = [
@@ -113,6 +122,11 @@ def render(source, bos, eos, messages, tools, add_generation_prompt):
     return rendered[0]
 
 
+def reads_tools(source):
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+
+
 def main():
     out = {
         "transformers": transformers.__version__,
@@ -134,7 +148,7 @@ def main():
                     # minijinja iterates None as empty. What pd renders instead is this.
                     entry["text_with_empty_tools"] = render(source, bos, eos, messages, [], agp)
             cases[case] = entry
-        out["templates"][name] = {"bos": bos, "eos": eos, "cases": cases}
+        out["templates"][name] = {"bos": bos, "eos": eos, "reads_tools": reads_tools(source), "cases": cases}
         print(name, {c: ("error" if "error" in e else len(e["text"])) for c, e in cases.items()})
     (DATA / "expected.json").write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
 

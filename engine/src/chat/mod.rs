@@ -40,7 +40,7 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
-    /// The template refers to a `tools` variable (renders tool definitions itself).
+    /// The template reads the `tools` variable (renders tool definitions itself).
     uses_tools: bool,
     /// The template's text (which tool-call format the model was taught is read from it).
     source: String,
@@ -64,7 +64,13 @@ impl ChatTemplate {
         env.add_function("strftime_now", |format: String| strftime(SystemTime::now(), &format));
         env.add_template_owned(NAME, source.to_string())
             .map_err(|e| EngineError::ChatTemplate(format!("does not compile: {e}")))?;
-        let uses_tools = source.contains("tools");
+        // Whether the template reads the `tools` variable, not whether the word appears: Phi-4-mini's
+        // template reads a system message's own `tools` field and never renders the request's.
+        let uses_tools = env
+            .get_template(NAME)
+            .map_err(|e| EngineError::ChatTemplate(format!("does not compile: {e}")))?
+            .undeclared_variables(false)
+            .contains("tools");
         let (bos_token, eos_token, source) = (bos_token.to_string(), eos_token.to_string(), source.to_string());
         Ok(ChatTemplate { env, bos_token, eos_token, uses_tools, source })
     }
@@ -181,6 +187,19 @@ mod tests {
         assert_eq!(strftime(UNIX_EPOCH, "%F %T %a").expect("formats"), "1970-01-01 00:00:00 Thu");
         let err = strftime(UNIX_EPOCH, "%Y %Q").expect_err("unknown directive");
         assert!(err.to_string().contains("%Y %Q"), "{err}");
+    }
+
+    #[test]
+    fn uses_tools_means_the_template_reads_the_tools_variable() {
+        let uses = |source: &str| ChatTemplate::new(source, "", "").expect("compiles").uses_tools();
+        assert!(uses("{% if tools %}{{ tools | tojson }}{% endif %}"));
+        assert!(uses("{% macro m() %}{{ tools | length }}{% endmacro %}{{ m() }}"));
+        // Phi-4-mini's: a system message's own `tools` field, never the request's tools.
+        assert!(!uses(
+            "{% for message in messages %}{% if 'tools' in message and message['tools'] is not none %}\
+             {{ message['tools'] }}{% endif %}{% endfor %}"
+        ));
+        assert!(!uses("{% set tools = [] %}{{ tools | length }}"));
     }
 
     #[test]

@@ -220,3 +220,30 @@ fn a_template_that_renders_tools_gets_them_and_the_calls_as_fields_and_sets_the_
         other => panic!("a forced call is a grammar in the model's format: {other:?}"),
     }
 }
+
+#[test]
+fn phi4_minis_template_never_renders_request_tools_so_pd_describes_them_in_hermes_form() {
+    use crate::tools::{Function, ToolChoice, ToolFormat, Tools};
+    // The real template (tokenizer_config.json of Phi-4-mini-instruct): it reads a system
+    // message's own `tools` string, so the request's tools would never reach the model.
+    let source = include_str!("../../../engine/tests/data/chat_templates/microsoft-Phi-4-mini-instruct.jinja");
+    let chat_template = pd_engine::ChatTemplate::new(source, "<|endoftext|>", "<|endoftext|>").expect("compiles");
+    assert!(!chat_template.uses_tools());
+    let text = TextSide {
+        tokenizer: Tokenizer::characters().expect("tokenizer"),
+        chat_template: Some(chat_template),
+        max_position: 4096,
+    };
+    let weather = Function {
+        name: "get_weather".into(),
+        description: None,
+        parameters: serde_json::json!({"type": "object", "properties": {"city": {"type": "string"}}}),
+    };
+    let tools =
+        Tools { functions: vec![weather], choice: ToolChoice::Auto, parallel: false, format: ToolFormat::Hermes };
+    let turns = vec![Turn::new(Role::User, "Weather in Paris?")];
+    let rendered = render_chat(&turns, Some(&tools), &text, true).expect("renders");
+    assert!(rendered.starts_with("<|system|>"), "{rendered}");
+    assert!(rendered.contains("\"get_weather\"") && rendered.contains("<tool_call>"), "{rendered}");
+    assert!(rendered.ends_with("<|user|>Weather in Paris?<|end|><|assistant|>"), "{rendered}");
+}
