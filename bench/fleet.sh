@@ -250,7 +250,7 @@ class interactive rate=750 input=32..96 output=64..128 ttft_p95_ms=1500 itl_p95_
 class batch rate=37.5 input=1500..2000 output=64 ttft_p95_ms=600000 itl_p95_ms=1000
 EOF
 virtual() { # NAME SCENARIO COST PREFILL DECODE [ARGS...]
-    taskset -c 1 "$bin/pd-bench" simulate --scenario "$2" --cost "$3" --prefill "$4" --decode "$5" \
+    taskset -c 1 target/fleet/pd-bench simulate --scenario "$2" --cost "$3" --prefill "$4" --decode "$5" \
         --label "$1" --out "$out/runs/$1" "${@:6}" >/dev/null
 }
 serving() { # PLAN_DIR POOL: the plan's serving replicas of a pool
@@ -258,6 +258,8 @@ serving() { # PLAN_DIR POOL: the plan's serving replicas of a pool
 }
 if has virtual; then
     echo "== virtual time" >&2
+    # The whole-program build (Cargo.toml's `fleet` profile): the scheduler inlined into the loop.
+    cargo build --profile fleet --quiet -p pd-bench
     virtual virtual-validate "$out/scenarios/validate.txt" "$out/cost-cpu.json" 1 1 --replicas 20
     for n in 8 128; do
         virtual "virtual-scale-$n" "$out/scenarios/scale.txt" "$out/cost-fast.json" $((n / 2)) $((n / 2)) --replicas 20

@@ -124,9 +124,19 @@ impl CostModel {
     pub fn predict(&self, chunks: &[(usize, usize)]) -> Duration {
         let mut ms = self.fixed_ms;
         for &(t, ctx) in chunks {
-            let pairs = t as f64 * (ctx as f64 + t as f64 / 2.0);
-            ms += self.per_token_ms * t as f64 + self.per_pair_us * pairs / 1e3;
+            ms += self.chunk_ms(t, ctx);
         }
+        self.scaled(ms)
+    }
+
+    /// What one chunk of `t` tokens after `ctx` adds to a step, in ms at scale 1.
+    fn chunk_ms(&self, t: usize, ctx: usize) -> f64 {
+        let pairs = t as f64 * (ctx as f64 + t as f64 / 2.0);
+        self.per_token_ms * t as f64 + self.per_pair_us * pairs / 1e3
+    }
+
+    /// `ms` at scale 1 as the predicted duration.
+    fn scaled(&self, ms: f64) -> Duration {
         Duration::from_secs_f64(ms * self.scale.max(0.05) / 1e3)
     }
 
@@ -139,19 +149,51 @@ impl CostModel {
         }
     }
 
-    /// Most tokens a chunk at `ctx` can take while the step stays under `left`.
+    /// Most tokens a chunk at `ctx` can take while the step stays under `left`: a binary
+    /// search over the prediction, first narrowed around the root of the model's quadratic
+    /// (which only saves steps: the search's answer is the same).
     fn tokens_within(&self, ctx: usize, left: Duration, max: usize) -> usize {
+        let base = self.scaled(self.fixed_ms);
+        let fits = |t: usize| self.scaled(self.fixed_ms + self.chunk_ms(t, ctx)).saturating_sub(base) <= left;
         let (mut lo, mut hi) = (0usize, max);
+        if let Some(guess) = self.root(ctx, left) {
+            let guess = guess.min(max as f64) as usize;
+            let (below, above) = (guess.saturating_sub(1), guess + 2);
+            if fits(below) {
+                lo = below;
+            }
+            if above <= hi && !fits(above) {
+                hi = above - 1;
+            }
+        }
         while lo < hi {
             let mid = (lo + hi).div_ceil(2);
-            let extra = self.predict(&[(mid, ctx)]).saturating_sub(self.predict(&[]));
-            if extra <= left {
+            if fits(mid) {
                 lo = mid;
             } else {
                 hi = mid - 1;
             }
         }
         lo
+    }
+
+    /// Where a chunk at `ctx` costs exactly `left`, in tokens (unrounded); None where the
+    /// prediction may not grow with the tokens (a negative coefficient), so that narrowing
+    /// around it could change the search's answer.
+    fn root(&self, ctx: usize, left: Duration) -> Option<f64> {
+        if !(self.per_token_ms >= 0.0 && self.per_pair_us >= 0.0) {
+            return None;
+        }
+        let budget = left.as_secs_f64() * 1e3 / self.scale.max(0.05);
+        let (a, b) = (self.per_pair_us / 2e3, self.per_token_ms + self.per_pair_us * ctx as f64 / 1e3);
+        let t = if a > 0.0 {
+            (-b + (b * b + 4.0 * a * budget).sqrt()) / (2.0 * a)
+        } else if b > 0.0 {
+            budget / b
+        } else {
+            return None;
+        };
+        t.is_finite().then_some(t.max(0.0))
     }
 }
 
@@ -181,7 +223,8 @@ pub fn plan(cands: &[Candidate], cfg: &StepConfig, cost: &CostModel) -> Vec<(usi
         (!starved, if starved { Duration::MAX - c.waited } else { Duration::ZERO }, long, c.remaining)
     });
     let mut out: Vec<(usize, usize)> = Vec::new();
-    let mut chunks: Vec<(usize, usize)> = Vec::new();
+    // The step's predicted time so far, in ms at scale 1, summed as `predict` sums it.
+    let mut step_ms = cost.fixed_ms;
     let mut long = 0;
     for i in order {
         let c = &cands[i];
@@ -192,7 +235,7 @@ pub fn plan(cands: &[Candidate], cfg: &StepConfig, cost: &CostModel) -> Vec<(usi
         if is_long && long >= cfg.max_long.max(1) {
             continue;
         }
-        let left = cfg.target.saturating_sub(cost.predict(&chunks));
+        let left = cfg.target.saturating_sub(cost.scaled(step_ms));
         let max = c.remaining.min(cfg.max_chunk.max(1));
         let mut tokens = cost.tokens_within(c.done, left, max);
         if out.is_empty() {
@@ -205,7 +248,7 @@ pub fn plan(cands: &[Candidate], cfg: &StepConfig, cost: &CostModel) -> Vec<(usi
             break;
         }
         long += usize::from(is_long);
-        chunks.push((tokens, c.done));
+        step_ms += cost.chunk_ms(tokens, c.done);
         out.push((i, tokens));
     }
     out

@@ -61,6 +61,13 @@ pub(crate) struct Planned {
     pub preemptible: bool,
 }
 
+/// Buffers `plan_step` fills again at every step (virtual time plans millions of steps).
+#[derive(Debug, Default)]
+pub(crate) struct PlanScratch {
+    ids: Vec<u64>,
+    cands: Vec<Candidate>,
+}
+
 /// The real prefill worker's plan for the next step over `jobs` ((id, prompt length, tokens
 /// done, time since its last chunk) each), `since_short` after the last short prompt arrived.
 pub(crate) fn plan_step(
@@ -68,14 +75,19 @@ pub(crate) fn plan_step(
     planner: &CostModel,
     jobs: impl Iterator<Item = (u64, usize, usize, Duration)>,
     since_short: Option<Duration>,
+    scratch: &mut PlanScratch,
 ) -> Planned {
-    let jobs: Vec<(u64, Candidate)> =
-        jobs.map(|(id, len, done, waited)| (id, Candidate { remaining: len - done, done, len, waited })).collect();
-    let cands: Vec<Candidate> = jobs.iter().map(|(_, c)| *c).collect();
-    let picked = plan(&cands, &step.for_step(since_short), planner);
+    let PlanScratch { ids, cands } = scratch;
+    ids.clear();
+    cands.clear();
+    for (id, len, done, waited) in jobs {
+        ids.push(id);
+        cands.push(Candidate { remaining: len - done, done, len, waited });
+    }
+    let picked = plan(cands, &step.for_step(since_short), planner);
     Planned {
         chunks: picked.iter().map(|&(i, t)| (t, cands[i].done)).collect(),
-        chosen: picked.iter().map(|&(i, t)| (jobs[i].0, t)).collect(),
+        chosen: picked.iter().map(|&(i, t)| (ids[i], t)).collect(),
         preemptible: step.preemptible(picked.iter().map(|&(i, t)| (cands[i].len, t, cands[i].done))),
     }
 }
@@ -166,12 +178,13 @@ impl SimPrefill {
     async fn step_loop(self) {
         let mut planner = CostModel::default();
         let mut clock = crate::StepClock::default();
+        let mut scratch = PlanScratch::default();
         loop {
             let Planned { chosen, chunks, preemptible } = {
                 let s = self.lock();
                 let now = Instant::now();
                 let jobs = s.jobs.iter().map(|j| (j.id, j.len, j.done, now.duration_since(j.last_turn)));
-                plan_step(&self.step, &planner, jobs, s.last_short.map(|t| now.duration_since(t)))
+                plan_step(&self.step, &planner, jobs, s.last_short.map(|t| now.duration_since(t)), &mut scratch)
             };
             if chosen.is_empty() {
                 clock.idle();

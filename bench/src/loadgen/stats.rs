@@ -31,7 +31,7 @@ impl Summary {
 }
 
 /// One request as the client saw it (times in ms from the run's start).
-#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq)]
 pub struct RequestSample {
     pub class: String,
     pub input_tokens: usize,

@@ -50,6 +50,8 @@ pub struct ScenarioTraffic {
     pub samples: Vec<RequestSample>,
     /// Every ended request, kept or not.
     pub tally: Tally,
+    /// The sample `ended` fills when samples are not kept.
+    scratch: RequestSample,
 }
 
 fn tokens(rng: &mut Rng, n: usize) -> Vec<u32> {
@@ -85,6 +87,7 @@ impl ScenarioTraffic {
             keep,
             samples: Vec::new(),
             tally: Tally::new(scenario.classes.iter().map(|c| c.name.clone())),
+            scratch: RequestSample::default(),
         }
     }
 
@@ -121,24 +124,25 @@ impl ScenarioTraffic {
         })
     }
 
-    fn sample(&self, o: &Outcome, end: Duration) -> RequestSample {
+    /// The client's view of `o`, written over `s` (whose buffers a run of millions of
+    /// requests reuses when it keeps no samples).
+    fn sample_into(&self, o: &Outcome, end: Duration, s: &mut RequestSample) {
         let c = (o.request.client >> 32) as usize;
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let ok = o.error.is_none();
-        RequestSample {
-            class: self.classes[c].spec.name.clone(),
-            input_tokens: o.request.prompt.len(),
-            requested_output_tokens: o.request.max_tokens,
-            sent_ms: ms(o.sent),
-            token_ms: o.tokens.iter().map(|&t| ms(t)).collect(),
-            end_ms: Some(ms(end)),
-            reported_output_tokens: ok.then_some(o.tokens.len()),
-            error: o.error.clone(),
-            status: o.status,
-            retry_after_s: o.retry_after_s,
-            cached_tokens: None,
-            attempt: o.request.attempt,
-        }
+        s.class.clone_from(&self.classes[c].spec.name);
+        s.input_tokens = o.request.prompt.len();
+        s.requested_output_tokens = o.request.max_tokens;
+        s.sent_ms = ms(o.sent);
+        s.token_ms.clear();
+        s.token_ms.extend(o.tokens.iter().map(|&t| ms(t)));
+        s.end_ms = Some(ms(end));
+        s.reported_output_tokens = ok.then_some(o.tokens.len());
+        s.error.clone_from(&o.error);
+        s.status = o.status;
+        s.retry_after_s = o.retry_after_s;
+        s.cached_tokens = None;
+        s.attempt = o.request.attempt;
     }
 }
 
@@ -188,10 +192,13 @@ impl Traffic for ScenarioTraffic {
     }
 
     fn ended(&mut self, outcome: Outcome, now: Duration) -> Vec<(Duration, Request)> {
-        let sample = self.sample(&outcome, now);
+        let mut sample = std::mem::take(&mut self.scratch);
+        self.sample_into(&outcome, now, &mut sample);
         self.tally.record(&sample);
         if self.keep {
             self.samples.push(sample);
+        } else {
+            self.scratch = sample;
         }
         let c = (outcome.request.client >> 32) as usize;
         let Arrival::Concurrency(_) = self.classes[c].spec.arrival else { return Vec::new() };

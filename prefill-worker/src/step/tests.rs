@@ -149,3 +149,47 @@ fn only_a_step_of_long_prompts_none_finishing_is_preemptible_and_it_stops_early_
     assert_eq!(last, Some(22));
     assert!((STOPPABLE_SHARE - 23.0 / 30.0).abs() < 0.02, "the time rule matches the layer rule");
 }
+
+#[test]
+fn the_narrowed_search_finds_what_the_plain_binary_search_finds() {
+    // The plain search over the prediction, as the planner did before narrowing it.
+    let plain = |cost: &CostModel, ctx: usize, left: Duration, max: usize| {
+        let (mut lo, mut hi) = (0usize, max);
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if cost.predict(&[(mid, ctx)]).saturating_sub(cost.predict(&[])) <= left {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo
+    };
+    // A fixed xorshift stream: models from flat to attention-heavy, budgets from nothing to
+    // more than any chunk costs, and the negative coefficient no narrowing is tried for.
+    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    for i in 0..20_000 {
+        // Every 50th: a slightly negative per-token cost (a fit can give one), with a fixed
+        // cost large enough that no step predicts below zero.
+        let negative = i % 50 == 0;
+        let cost = CostModel {
+            fixed_ms: next(40) as f64 + if negative { 100.0 } else { 0.0 },
+            per_token_ms: if negative { -0.01 } else { next(5000) as f64 / 1000.0 },
+            per_pair_us: if i % 7 == 0 { 0.0 } else { next(4000) as f64 / 1000.0 },
+            scale: 0.05 + next(300) as f64 / 100.0,
+        };
+        let (ctx, max) = (next(4096) as usize, 1 + next(2048) as usize);
+        let left = Duration::from_micros(next(400_000));
+        assert_eq!(
+            cost.tokens_within(ctx, left, max),
+            plain(&cost, ctx, left, max),
+            "{cost:?} ctx {ctx} left {left:?}"
+        );
+    }
+}

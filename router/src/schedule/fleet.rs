@@ -439,8 +439,9 @@ impl Fleet {
         // later run cannot beat the best once its wait plus the prompt at the pool's fastest
         // rate does not.
         let floor = policy::estimated_wait(0, prompt.len(), self.max_prefill_rate);
-        let mut from = Bound::Unbounded;
-        while let Some(&(wait, Reverse(rate), slot)) = self.prefill_order.range((from, Bound::Unbounded)).next() {
+        // A worker without room: the next in order. One with room: past the rest of its run.
+        let mut rest = self.prefill_order.range::<(Duration, Reverse<u64>, usize), _>(..);
+        while let Some(&(wait, _, slot)) = rest.next() {
             if best.is_some_and(|b| wait + floor > b.0) {
                 break;
             }
@@ -448,9 +449,7 @@ impl Fleet {
             if p.has_room(top_priority) {
                 let (wait, first) = score(p, 0);
                 offer(&mut best, (first, slot, wait, 0));
-                from = Bound::Excluded((wait, Reverse(0), usize::MAX));
-            } else {
-                from = Bound::Excluded((wait, Reverse(rate), slot));
+                rest = self.prefill_order.range((Bound::Excluded((wait, Reverse(0), usize::MAX)), Bound::Unbounded));
             }
         }
         best.map(|(_, slot, wait, cached)| (&self.prefill[slot], wait, cached))

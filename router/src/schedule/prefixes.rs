@@ -8,6 +8,7 @@
 //! Lookups hash the prompt the way the worker does (`pd_engine::kv::prefix`, the worker's
 //! seed and block size) and count its leading blocks found.
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -62,6 +63,8 @@ pub struct PrefixIndex {
     expiring: VecDeque<(u32, Arc<Vec<u64>>)>,
     /// Where ticks count from (the first routing).
     epoch: Option<Instant>,
+    /// The tick of the last routing.
+    last_tick: u32,
     routed_block_size: u32,
 }
 
@@ -197,7 +200,8 @@ impl PrefixIndex {
     }
 
     /// A prompt was routed here: without events, remember its blocks for `ROUTED_TTL`,
-    /// dropping the routings that expired by now (the oldest, so only those are looked at).
+    /// dropping the first blocks of the routings that expired by now (the oldest, so only
+    /// those are looked at), and the rest of what expired when the map is full.
     /// `changed` hears only first blocks' hashes: the pool's index is asked for the holders
     /// of a prompt's first block only (a cached prefix starts there), and telling it every
     /// block was most of a long run's routing cost (documents of a hundred blocks each).
@@ -207,24 +211,32 @@ impl PrefixIndex {
         }
         self.epoch.get_or_insert(now);
         let current = self.tick(now);
+        // An expired routing's first block leaves now, so the holders index hears it; its
+        // other blocks stay until the map would grow (lookups check expiry): a removal per block
+        // was a cache miss per block of every prompt, paid again at its expiry.
         while let Some((tick, hashes)) = self.expiring.front().filter(|(tick, _)| *tick <= current) {
-            let tick = *tick;
-            for (i, h) in hashes.iter().enumerate() {
+            if let Some(&first) = hashes.first() {
                 // Routed again since: the later routing keeps it.
-                if self.routed.get(h) == Some(&tick) {
-                    self.routed.remove(h);
-                    if i == 0 {
-                        changed(*h, false);
+                if let Entry::Occupied(e) = self.routed.entry(first) {
+                    if e.get() == tick {
+                        e.remove();
+                        changed(first, false);
                     }
                 }
             }
             self.expiring.pop_front();
         }
+        self.last_tick = current;
         // Rounded up: a routing never counts for less than `ROUTED_TTL`.
         let expires = self.tick(now + ROUTED_TTL).saturating_add(1);
         let hashes = prompt.hashes(0, self.routed_block_size);
         if hashes.is_empty() {
             return;
+        }
+        if self.routed.len() + hashes.len() > self.routed.capacity() {
+            // One pass over the map instead of growing it: only expired blocks go (every
+            // expired first block already went above).
+            self.routed.retain(|_, expires| *expires > current);
         }
         for (i, h) in hashes.iter().enumerate() {
             let was = self.routed.insert(*h, expires);
@@ -235,9 +247,13 @@ impl PrefixIndex {
         self.expiring.push_back((expires, hashes));
     }
 
-    /// Cached hashes known (events) or remembered (routed), for tests and debugging.
+    /// Cached hashes known (events) or remembered (routed, unexpired at the last routing),
+    /// for tests and debugging.
     pub fn len(&self) -> usize {
-        self.followed.as_ref().map_or(self.routed.len(), |f| f.hashes.len())
+        match &self.followed {
+            Some(f) => f.hashes.len(),
+            None => self.routed.values().filter(|&&expires| expires > self.last_tick).count(),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -330,6 +346,26 @@ mod tests {
         index.routed(&prompt, now, &mut |_, _| {});
         assert_eq!(index.cached_tokens(&prompt, now), 32);
         assert_eq!(index.cached_tokens(&prompt, now + ROUTED_TTL + Duration::from_secs(1)), 0);
+    }
+
+    #[test]
+    fn expired_blocks_make_room_instead_of_growing_the_map() {
+        // A prompt a second for 25 minutes: about 120 routings of 2 blocks live at a time.
+        let mut index = PrefixIndex::default();
+        index.apply(None, 16, &mut |_, _| {});
+        let t0 = Instant::now();
+        let mut held = 0i64;
+        for i in 0..1500u32 {
+            let prompt = Prompt::new((i * 40..i * 40 + 40).collect());
+            let now = t0 + Duration::from_secs(u64::from(i));
+            index.routed(&prompt, now, &mut |_, told| held += if told { 1 } else { -1 });
+            assert_eq!(index.cached_tokens(&prompt, now), 32);
+        }
+        let live = index.len();
+        assert!((240..=250).contains(&live), "{live} blocks unexpired");
+        assert!(index.routed.capacity() <= 4 * live, "{} slots for {live} blocks", index.routed.capacity());
+        // The holders index heard every first block come and (all but the live ones) go.
+        assert_eq!(held, live as i64 / 2);
     }
 
     #[test]

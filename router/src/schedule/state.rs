@@ -8,7 +8,7 @@
 //! worker's blocks and batch slot, the prefill worker's slot, and a long prompt's turn. The
 //! workers' states change only through their booking methods (`fleet`).
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -87,7 +87,7 @@ pub struct State<R> {
     queued_tokens: Vec<u64>,
     pub(super) fleet: Fleet,
     seq: u64,
-    bookings: HashMap<u64, Booking>,
+    bookings: FxHashMap<u64, Booking>,
     /// When streams last ended (gave their decode capacity back): how fast a queue held by
     /// the decode side drains.
     released: Events,
@@ -110,7 +110,7 @@ impl<R> State<R> {
             queued_tokens: vec![0; all.len()],
             fleet,
             seq: 0,
-            bookings: HashMap::new(),
+            bookings: FxHashMap::default(),
             released: Events::default(),
             service: Service::default(),
             long_prefills: 0,

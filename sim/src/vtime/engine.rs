@@ -2,8 +2,7 @@
 //! or the worker it concerns would handle it at that instant (`mod.rs` has the request's
 //! life). Events at the same instant run in the order they were scheduled.
 
-use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -12,6 +11,7 @@ use pd_router::schedule::state::{Placement, State};
 use pd_router::schedule::{round_interval, Prompt};
 use rustc_hash::FxHashMap;
 
+use super::queue::Queue;
 use super::slab::Slab;
 use super::workers::{DecodeSeq, StepOutcome, VDecode, VPrefill};
 use super::{Config, Outcome, Request, Totals, Traffic};
@@ -64,7 +64,7 @@ struct Engine<'t, T: Traffic> {
     origin: Instant,
     now: Duration,
     /// (nanoseconds from the start, order of scheduling, event).
-    events: BinaryHeap<Reverse<(u64, u64, Ev)>>,
+    events: Queue<Ev>,
     /// Queued requests by the time they stall: most are granted first, so they are kept
     /// apart from `events`, where they would pile up.
     stalls: BTreeSet<(u64, u64)>,
@@ -115,7 +115,7 @@ pub fn run<T: Traffic>(cfg: Config, traffic: &mut T) -> Totals {
         traffic,
         origin: Instant::now(),
         now: Duration::ZERO,
-        events: BinaryHeap::new(),
+        events: Queue::new(),
         stalls: BTreeSet::new(),
         scheduled: 0,
         state,
@@ -130,14 +130,14 @@ pub fn run<T: Traffic>(cfg: Config, traffic: &mut T) -> Totals {
     e.at(Duration::ZERO, Ev::Refresh);
     e.at(Duration::ZERO, Ev::Pull);
     loop {
-        let next = e.events.peek().map(|Reverse((t, ..))| *t);
+        let next = e.events.next_at();
         let stall = e.stalls.first().copied().filter(|&(s, _)| next.is_none_or(|t| s < t));
         if let Some((t, id)) = stall {
             e.stalls.remove(&(t, id));
             e.now = Duration::from_nanos(t);
             e.totals.events += 1;
             e.stall(id);
-        } else if let Some(Reverse((t, _, ev))) = e.events.pop() {
+        } else if let Some((t, ev)) = e.events.pop() {
             e.now = Duration::from_nanos(t);
             e.totals.events += 1;
             e.handle(ev);
@@ -161,7 +161,7 @@ fn prefill_addr(i: usize) -> String {
 impl<T: Traffic> Engine<'_, T> {
     fn at(&mut self, t: Duration, ev: Ev) {
         self.scheduled += 1;
-        self.events.push(Reverse((t.as_nanos() as u64, self.scheduled, ev)));
+        self.events.push(Queue::<Ev>::key(t.as_nanos() as u64, self.scheduled), ev);
     }
 
     fn after(&mut self, d: Duration, ev: Ev) {

@@ -21,6 +21,7 @@
 //! none), the router's CPU time.
 
 mod engine;
+mod queue;
 mod slab;
 pub mod workers;
 

@@ -165,6 +165,7 @@ pub struct VPrefill {
     planner: CostModel,
     last_short: Option<Duration>,
     step: Option<Step>,
+    scratch: prefill::PlanScratch,
     /// Counts steps started, so the end of a step that was cut is recognized.
     pub generation: u64,
 }
@@ -194,7 +195,8 @@ impl VPrefill {
     /// Plans and starts the next step at `now`; its length, or None when idle.
     pub fn start_step(&mut self, cost: &WorkerCost, config: &StepConfig, now: Duration) -> Option<Duration> {
         let jobs = self.jobs.iter().map(|j| (j.id, j.len, j.done, now.saturating_sub(j.last_turn)));
-        let planned = prefill::plan_step(config, &self.planner, jobs, self.last_short.map(|t| now.saturating_sub(t)));
+        let since_short = self.last_short.map(|t| now.saturating_sub(t));
+        let planned = prefill::plan_step(config, &self.planner, jobs, since_short, &mut self.scratch);
         if planned.chosen.is_empty() {
             return None;
         }
