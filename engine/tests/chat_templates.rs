@@ -5,7 +5,8 @@
 //! that loops over `tools` when a request has none raises TypeError in Python (None is not
 //! iterable) while minijinja iterates None as empty; there pd must render exactly what
 //! transformers renders with `tools=[]` (`text_with_empty_tools`). Whether a template reads the
-//! `tools` variable (pd's `uses_tools`) is checked against jinja2's own analysis.
+//! `tools` variable (pd's `uses_tools`) is checked against jinja2's own analysis. Two cases pass
+//! template arguments (`enable_thinking`, which Qwen3's and SmolLM3's templates read).
 
 use std::path::PathBuf;
 use std::time::{Duration, UNIX_EPOCH};
@@ -58,7 +59,9 @@ fn real_templates_render_as_transformers_does() {
             let messages: Vec<ChatMessage> = serde_json::from_value(c["messages"].clone()).expect("messages");
             let tools: Option<Vec<Value>> = serde_json::from_value(c["tools"].clone()).expect("tools");
             let add_generation_prompt = c["add_generation_prompt"].as_bool().expect("add_generation_prompt");
-            let got = template.render_with_tools(&messages, tools.as_deref(), add_generation_prompt);
+            // Template arguments (`chat_template_kwargs`), as apply_chat_template(**kwargs).
+            let kwargs = c.get("kwargs").and_then(Value::as_object).cloned().unwrap_or_default();
+            let got = template.render_with_kwargs(&messages, tools.as_deref(), add_generation_prompt, &kwargs);
             let verdict = match (&got, c.get("text").and_then(Value::as_str), c.get("error").and_then(Value::as_str)) {
                 (Ok(got), Some(want), _) if got == want => Ok(()),
                 (Ok(got), Some(want), _) => Err(first_difference(got, want)),

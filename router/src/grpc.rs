@@ -84,8 +84,19 @@ fn tools_from_pb(req: &mut pb::GenerateRequest) -> Result<Option<Tools>, RouterE
 /// A gRPC request as the parameters validation checks.
 pub fn params_from_pb(mut req: pb::GenerateRequest) -> Result<GenerateParams, RouterError> {
     let tools = tools_from_pb(&mut req)?;
+    let field = "chat_template_kwargs_json";
+    let kwargs = match req.chat_template_kwargs_json.trim() {
+        "" => None,
+        text => Some(serde_json::from_str(text).map_err(|e| {
+            RouterError::invalid(field, format!("`{field}` must be a JSON object of template variables: {e}"))
+        })?),
+    };
+    let template_kwargs = crate::api::request::template_kwargs(kwargs, field)?;
     let (kind, input) = match (req.prompt.is_empty(), req.messages.is_empty()) {
         (false, true) if tools.is_some() => return Err(RouterError::invalid("tools", "`tools` need `messages`")),
+        (false, true) if !template_kwargs.is_empty() => {
+            return Err(RouterError::invalid(field, format!("`{field}` needs `messages`")))
+        }
         (true, false) if req.echo => return Err(RouterError::invalid("echo", "`echo` needs a `prompt`")),
         (false, true) => (Kind::Completion, Input::Prompt(req.prompt)),
         (true, false) => {
@@ -130,6 +141,7 @@ pub fn params_from_pb(mut req: pb::GenerateRequest) -> Result<GenerateParams, Ro
         tools,
         n: Some(req.n as u64).filter(|&n| n > 0),
         echo: req.echo,
+        template_kwargs,
     })
 }
 

@@ -5,6 +5,7 @@
 
 use pd_engine::{ChatMessage, OutputConstraint, SamplingParams, TextSide};
 use serde::Deserialize;
+use serde_json::{Map, Value};
 
 use crate::error::RouterError;
 use crate::tools::{PastCall, Tools};
@@ -146,6 +147,8 @@ pub struct GenerateParams {
     pub n: Option<u64>,
     /// Completions: the prompt comes back before the output (with `logprobs`, scored).
     pub echo: bool,
+    /// Chat: further chat template variables (`chat_template_kwargs`).
+    pub template_kwargs: Map<String, Value>,
 }
 
 /// Prompt text up to this many bytes is validated on the async runtime (`GenerateParams::is_light`).
@@ -228,7 +231,7 @@ pub fn validate(
     if let Some(tools) = p.tools.as_mut() {
         force_call(tools, &mut p.constraint, text)?;
     }
-    let (field, prompt_tokens) = tokenize(&p.input, p.tools.as_ref().filter(|t| t.active()), text)?;
+    let (field, prompt_tokens) = tokenize(&p.input, p.tools.as_ref().filter(|t| t.active()), &p.template_kwargs, text)?;
     let context = text.max_position;
     if prompt_tokens.len() >= context {
         let message = format!("the prompt has {} tokens; the context length is {context}", prompt_tokens.len());
@@ -373,7 +376,12 @@ fn check_sampling(p: &GenerateParams) -> Result<(), RouterError> {
 }
 
 /// The prompt's tokens, and the field they came from.
-fn tokenize(input: &Input, tools: Option<&Tools>, text: &TextSide) -> Result<(&'static str, Vec<u32>), RouterError> {
+fn tokenize(
+    input: &Input,
+    tools: Option<&Tools>,
+    kwargs: &Map<String, Value>,
+    text: &TextSide,
+) -> Result<(&'static str, Vec<u32>), RouterError> {
     let (field, prompt) = match input {
         Input::Prompt(p) if p.is_empty() => return Err(RouterError::invalid("prompt", "`prompt` must not be empty")),
         Input::Prompt(p) => ("prompt", p.clone()),
@@ -391,7 +399,7 @@ fn tokenize(input: &Input, tools: Option<&Tools>, text: &TextSide) -> Result<(&'
             }
             return Ok(("prompt", ids.clone()));
         }
-        Input::Messages(messages) => ("messages", render_chat(messages, tools, text, true)?),
+        Input::Messages(messages) => ("messages", render_chat(messages, tools, kwargs, text, true)?),
     };
     let tokens = text.tokenizer.encode(&prompt).map_err(|e| RouterError::invalid(field, e.to_string()))?;
     if tokens.is_empty() {
@@ -404,10 +412,12 @@ fn tokenize(input: &Input, tools: Option<&Tools>, text: &TextSide) -> Result<(&'
 /// the opening of the assistant's turn). A template that renders tools itself gets them, the
 /// earlier calls and the tool results as its variables; one that does not gets the Hermes
 /// tool prompt in the system message, calls as `<tool_call>` text and `tool` turns as
-/// `<tool_response>` user turns (`tools.rs`).
+/// `<tool_response>` user turns (`tools.rs`). `kwargs`: further template variables
+/// (`chat_template_kwargs`).
 pub fn render_chat(
     messages: &[Turn],
     tools: Option<&Tools>,
+    kwargs: &Map<String, Value>,
     text: &TextSide,
     generation_prompt: bool,
 ) -> Result<String, RouterError> {
@@ -426,7 +436,7 @@ pub fn render_chat(
         }
     }
     template
-        .render_with_tools(&turns, listed.as_deref().filter(|_| native), generation_prompt)
+        .render_with_kwargs(&turns, listed.as_deref().filter(|_| native), generation_prompt, kwargs)
         .map_err(|e| RouterError::invalid("messages", e.to_string()))
 }
 

@@ -616,6 +616,29 @@ async fn every_bad_grpc_input_is_invalid_argument_naming_the_field() {
             tonic::Code::InvalidArgument,
             "stop",
         ),
+        (
+            pb::GenerateRequest { messages: user("y"), chat_template_kwargs_json: "[1]".into(), ..Default::default() },
+            tonic::Code::InvalidArgument,
+            "chat_template_kwargs_json",
+        ),
+        (
+            pb::GenerateRequest {
+                messages: user("y"),
+                chat_template_kwargs_json: r#"{"add_generation_prompt": false}"#.into(),
+                ..Default::default()
+            },
+            tonic::Code::InvalidArgument,
+            "chat_template_kwargs_json.add_generation_prompt",
+        ),
+        (
+            pb::GenerateRequest {
+                prompt: "x".into(),
+                chat_template_kwargs_json: r#"{"enable_thinking": false}"#.into(),
+                ..Default::default()
+            },
+            tonic::Code::InvalidArgument,
+            "chat_template_kwargs_json",
+        ),
     ];
     for (request, code, named) in cases {
         let status = client.generate(request.clone()).await.expect_err("refused");

@@ -109,8 +109,14 @@ CASES = {
     ),
 }
 
+# Template arguments (`chat_template_kwargs`), passed as apply_chat_template(**kwargs) passes them.
+KWARGS_CASES = {
+    "thinking_off": (HISTORY, None, True, {"enable_thinking": False}),
+    "thinking_on": (HISTORY, None, True, {"enable_thinking": True}),
+}
 
-def render(source, bos, eos, messages, tools, add_generation_prompt):
+
+def render(source, bos, eos, messages, tools, add_generation_prompt, kwargs=None):
     special = {k: v for k, v in (("bos_token", bos), ("eos_token", eos)) if v}
     rendered, _ = ctu.render_jinja_template(
         conversations=[json.loads(json.dumps(messages))],
@@ -118,6 +124,7 @@ def render(source, bos, eos, messages, tools, add_generation_prompt):
         chat_template=source,
         add_generation_prompt=add_generation_prompt,
         **special,
+        **(kwargs or {}),
     )
     return rendered[0]
 
@@ -136,10 +143,13 @@ def main():
     for name, (bos, eos) in TEMPLATES.items():
         source = (DATA / f"{name}.jinja").read_text()
         cases = {}
-        for case, (messages, tools, agp) in CASES.items():
+        cases_here = {**{k: (*v, None) for k, v in CASES.items()}, **KWARGS_CASES}
+        for case, (messages, tools, agp, kwargs) in cases_here.items():
             entry = {"messages": messages, "tools": tools, "add_generation_prompt": agp}
+            if kwargs:
+                entry["kwargs"] = kwargs
             try:
-                entry["text"] = render(source, bos, eos, messages, tools, agp)
+                entry["text"] = render(source, bos, eos, messages, tools, agp, kwargs)
             except Exception as e:  # noqa: BLE001 - the template's own error is the expected result
                 entry["error"] = str(e)
                 entry["error_type"] = type(e).__name__

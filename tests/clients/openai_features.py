@@ -106,6 +106,14 @@ check("a token-id prompt answers as its text does", by_ids.choices[0].text == c.
 check("/detokenize inverts /tokenize", post("/detokenize", {"tokens": ids["tokens"]})["prompt"] == "The capital of France is")
 templated = post("/tokenize", {"messages": QUESTION})
 check("/tokenize renders chat the way chat requests are", templated["count"] == r.usage.prompt_tokens, (templated["count"], r.usage.prompt_tokens))
+# Template arguments (vLLM's and SGLang's `chat_template_kwargs`): SmolLM2's template reads none
+# of them, so the prompt and the greedy answer are the same as without.
+kw = {"chat_template_kwargs": {"enable_thinking": False}}
+with_kwargs = chat(max_tokens=6, temperature=0, extra_body=kw)
+without = chat(max_tokens=6, temperature=0)
+check("chat_template_kwargs are accepted", with_kwargs.choices[0].message.content == without.choices[0].message.content
+      and with_kwargs.usage.prompt_tokens == without.usage.prompt_tokens, (with_kwargs, without))
+check("/tokenize takes chat_template_kwargs", post("/tokenize", {"messages": QUESTION, **kw})["count"] == templated["count"])
 
 # The caller's request id is a label; the response id is the router's.
 raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=2, extra_headers={"x-request-id": "my-id"})
@@ -299,6 +307,7 @@ for name, kw, param in [
     ("logit_bias outside the vocabulary", {"logit_bias": {"99999999": 1}}, "logit_bias"),
     ("a schema that does not compile", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}}, "response_format.json_schema.schema"),
     ("two constraints at once", {"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a+"}}, "guided_regex"),
+    ("a template argument the server sets", {"extra_body": {"chat_template_kwargs": {"add_generation_prompt": False}}}, "chat_template_kwargs.add_generation_prompt"),
 ]:
     try:
         chat(max_tokens=2, **kw)

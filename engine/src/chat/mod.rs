@@ -48,6 +48,10 @@ pub struct ChatTemplate {
 
 const NAME: &str = "chat";
 
+/// The template variables the renderer sets, which template arguments may not.
+pub const RESERVED_TEMPLATE_VARIABLES: [&str; 6] =
+    ["messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"];
+
 impl ChatTemplate {
     /// Compiles `source`; `bos_token` / `eos_token` are the texts templates may refer to.
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self> {
@@ -105,8 +109,24 @@ impl ChatTemplate {
         tools: Option<&[serde_json::Value]>,
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.render_with_kwargs(messages, tools, add_generation_prompt, &serde_json::Map::new())
+    }
+
+    /// `render_with_tools`, with `kwargs` as further template variables, as transformers'
+    /// `apply_chat_template(..., **kwargs)` passes them (Qwen3's `enable_thinking`, for
+    /// one). A name the renderer sets itself (`RESERVED_TEMPLATE_VARIABLES`) is refused.
+    pub fn render_with_kwargs(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
         if messages.is_empty() {
             return Err(EngineError::ChatTemplate("no messages to render".into()));
+        }
+        if let Some(name) = kwargs.keys().find(|k| RESERVED_TEMPLATE_VARIABLES.contains(&k.as_str())) {
+            return Err(EngineError::ChatTemplate(format!("`{name}` is set by the server, not by template arguments")));
         }
         let template = self.env.get_template(NAME).map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
         template
@@ -117,6 +137,7 @@ impl ChatTemplate {
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
+                ..minijinja::Value::from_serialize(kwargs)
             })
             .map_err(|e| EngineError::ChatTemplate(format!("rendering failed: {e}")))
     }
@@ -200,6 +221,21 @@ mod tests {
              {{ message['tools'] }}{% endif %}{% endfor %}"
         ));
         assert!(!uses("{% set tools = [] %}{{ tools | length }}"));
+    }
+
+    #[test]
+    fn template_arguments_reach_the_template_and_may_not_replace_what_the_renderer_sets() {
+        let source = "{% for m in messages %}{{ m.content }}{% endfor %}\
+                      {% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}";
+        let t = ChatTemplate::new(source, "", "").expect("compiles");
+        let hi = [ChatMessage::new("user", "hi")];
+        let kwargs = |v: serde_json::Value| v.as_object().cloned().expect("an object");
+        assert_eq!(t.render(&hi, true).expect("renders"), "hi");
+        let off = kwargs(serde_json::json!({"enable_thinking": false}));
+        assert_eq!(t.render_with_kwargs(&hi, None, true, &off).expect("renders"), "hi<think></think>");
+        let err =
+            t.render_with_kwargs(&hi, None, true, &kwargs(serde_json::json!({"messages": []}))).expect_err("reserved");
+        assert!(err.to_string().contains("`messages` is set by the server"), "{err}");
     }
 
     #[test]

@@ -73,6 +73,9 @@ pub struct OpenAiRequest {
     pub tools: Option<Vec<ToolSpec>>,
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
+    /// Chat only (vLLM's and SGLang's extension): further variables for the chat template,
+    /// as transformers' `apply_chat_template(**kwargs)` takes them (`enable_thinking`).
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
 }
 
 /// `response_format`.
@@ -285,8 +288,14 @@ pub fn decode(kind: Kind, body: &[u8]) -> Result<GenerateParams, RouterError> {
     let mut r: OpenAiRequest = decode_object(body)?;
     let input = match kind {
         Kind::Completion => {
-            if r.messages.is_some() || r.max_completion_tokens.is_some() {
-                let field = if r.messages.is_some() { "messages" } else { "max_completion_tokens" };
+            if r.messages.is_some() || r.max_completion_tokens.is_some() || r.chat_template_kwargs.is_some() {
+                let field = if r.messages.is_some() {
+                    "messages"
+                } else if r.max_completion_tokens.is_some() {
+                    "max_completion_tokens"
+                } else {
+                    "chat_template_kwargs"
+                };
                 return Err(RouterError::invalid(field, format!("`{field}` belongs to /v1/chat/completions")));
             }
             if r.top_logprobs.is_some() {
@@ -503,7 +512,22 @@ fn params(kind: Kind, input: Input, mut c: OpenAiRequest) -> Result<GeneratePara
         tools,
         n: c.n,
         echo: c.echo.unwrap_or(false),
+        template_kwargs: template_kwargs(c.chat_template_kwargs, "chat_template_kwargs")?,
     })
+}
+
+/// Template arguments (`chat_template_kwargs`, read from `field`), refused by name where
+/// they would set a variable the router sets itself.
+pub fn template_kwargs(
+    kwargs: Option<serde_json::Map<String, Value>>,
+    field: &str,
+) -> Result<serde_json::Map<String, Value>, RouterError> {
+    let kwargs = kwargs.unwrap_or_default();
+    if let Some(name) = kwargs.keys().find(|k| pd_engine::RESERVED_TEMPLATE_VARIABLES.contains(&k.as_str())) {
+        let why = format!("`{name}` is set by the server from the request; it cannot be a template argument");
+        return Err(RouterError::invalid(&format!("{field}.{name}"), why));
+    }
+    Ok(kwargs)
 }
 
 #[cfg(test)]
@@ -515,6 +539,19 @@ mod tests {
             Err(RouterError::InvalidRequest { param, .. }) => param,
             other => panic!("expected an invalid request for {body}, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn chat_template_kwargs_are_chats_and_may_not_set_what_the_router_sets() {
+        let chat = r#"{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"enable_thinking":false}}"#;
+        let p = decode(Kind::Chat, chat.as_bytes()).expect("accepted");
+        assert_eq!(p.template_kwargs.get("enable_thinking"), Some(&Value::Bool(false)));
+        let reserved = r#"{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"messages":[]}}"#;
+        assert_eq!(param(Kind::Chat, reserved).as_deref(), Some("chat_template_kwargs.messages"));
+        let completion = r#"{"prompt":"x","chat_template_kwargs":{"enable_thinking":false}}"#;
+        assert_eq!(param(Kind::Completion, completion).as_deref(), Some("chat_template_kwargs"));
+        let not_an_object = r#"{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":[1]}"#;
+        assert_eq!(param(Kind::Chat, not_an_object).as_deref(), Some("chat_template_kwargs"));
     }
 
     #[test]

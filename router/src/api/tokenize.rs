@@ -23,6 +23,8 @@ pub struct TokenizeRequest {
     pub add_special_tokens: Option<bool>,
     /// Also return each token's text.
     pub return_token_strs: Option<bool>,
+    /// Chat only: further template variables, as chat requests take them.
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 #[derive(Debug, Serialize)]
@@ -59,11 +61,15 @@ pub fn tokenize(r: TokenizeRequest, text: &TextSide, served: &str) -> Result<Tok
         return Err(RouterError::invalid("add_special_tokens", "`add_special_tokens` true is not supported"));
     }
     let (field, prompt) = match (r.prompt, r.messages) {
+        (Some(_), None) if r.chat_template_kwargs.is_some() => {
+            return Err(RouterError::invalid("chat_template_kwargs", "`chat_template_kwargs` needs `messages`"));
+        }
         (Some(p), None) => ("prompt", p),
         (None, Some(messages)) => {
             let turns = messages.into_iter().enumerate().map(|(i, m)| m.turn(i));
             let messages: Vec<Turn> = turns.collect::<Result<_, _>>()?;
-            ("messages", render_chat(&messages, None, text, r.add_generation_prompt.unwrap_or(true))?)
+            let kwargs = super::request::template_kwargs(r.chat_template_kwargs, "chat_template_kwargs")?;
+            ("messages", render_chat(&messages, None, &kwargs, text, r.add_generation_prompt.unwrap_or(true))?)
         }
         _ => return Err(RouterError::invalid("prompt", "set exactly one of `prompt` and `messages`")),
     };

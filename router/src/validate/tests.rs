@@ -32,6 +32,7 @@ fn completion(prompt: &str) -> GenerateParams {
         tools: None,
         n: None,
         echo: false,
+        template_kwargs: serde_json::Map::new(),
     }
 }
 
@@ -200,7 +201,7 @@ fn a_template_that_renders_tools_gets_them_and_the_calls_as_fields_and_sets_the_
         parallel: false,
         format: ToolFormat::Hermes,
     };
-    let rendered = render_chat(&turns, Some(&tools), &text, true).expect("renders");
+    let rendered = render_chat(&turns, Some(&tools), &serde_json::Map::new(), &text, true).expect("renders");
     assert!(
         // `tojson` writes Python's json.dumps spacing, as transformers renders it.
         rendered.contains(r#"<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}"#),
@@ -242,8 +243,24 @@ fn phi4_minis_template_never_renders_request_tools_so_pd_describes_them_in_herme
     let tools =
         Tools { functions: vec![weather], choice: ToolChoice::Auto, parallel: false, format: ToolFormat::Hermes };
     let turns = vec![Turn::new(Role::User, "Weather in Paris?")];
-    let rendered = render_chat(&turns, Some(&tools), &text, true).expect("renders");
+    let rendered = render_chat(&turns, Some(&tools), &serde_json::Map::new(), &text, true).expect("renders");
     assert!(rendered.starts_with("<|system|>"), "{rendered}");
     assert!(rendered.contains("\"get_weather\"") && rendered.contains("<tool_call>"), "{rendered}");
     assert!(rendered.ends_with("<|user|>Weather in Paris?<|end|><|assistant|>"), "{rendered}");
+}
+
+#[test]
+fn chat_template_kwargs_reach_the_template_qwen3_thinking_off() {
+    let source = include_str!("../../../engine/tests/data/chat_templates/Qwen-Qwen3-0.6B.jinja");
+    let text = TextSide {
+        tokenizer: Tokenizer::characters().expect("tokenizer"),
+        chat_template: Some(pd_engine::ChatTemplate::new(source, "", "<|im_end|>").expect("compiles")),
+        max_position: 4096,
+    };
+    let turns = vec![Turn::new(Role::User, "Hi")];
+    let off = serde_json::json!({"enable_thinking": false}).as_object().cloned().expect("object");
+    let plain = render_chat(&turns, None, &serde_json::Map::new(), &text, true).expect("renders");
+    let thinking_off = render_chat(&turns, None, &off, &text, true).expect("renders");
+    assert!(plain.ends_with("<|im_start|>assistant\n"), "{plain}");
+    assert_eq!(thinking_off, format!("{plain}<think>\n\n</think>\n\n"));
 }
