@@ -174,20 +174,29 @@ const LLAMA_LIKE: &str = "{%- if tools %}Respond in the format {\"name\": functi
     {%- elif m.role == 'tool' %}[{{ m.tool_call_id }}] {{ m.content }}{%- else %}{{ m.content }}{%- endif %}\n{%- endfor %}\
     {%- if add_generation_prompt %}<assistant>{%- endif %}";
 
-#[test]
-fn a_template_that_renders_tools_gets_them_and_the_calls_as_fields_and_sets_the_format() {
-    use crate::tools::{Function, PastCall, ToolChoice, ToolFormat, Tools};
-    let chat_template = pd_engine::ChatTemplate::new(LLAMA_LIKE, "", "").expect("compiles");
-    let text = TextSide {
+/// A character tokenizer with `chat_template`.
+fn templated(chat_template: pd_engine::ChatTemplate) -> TextSide {
+    TextSide {
         tokenizer: Tokenizer::characters().expect("tokenizer"),
         chat_template: Some(chat_template),
         max_position: 4096,
-    };
-    let weather = Function {
+    }
+}
+
+fn weather() -> crate::tools::Function {
+    crate::tools::Function {
         name: "get_weather".into(),
         description: None,
         parameters: serde_json::json!({"type": "object", "properties": {"city": {"type": "string"}}}),
-    };
+    }
+}
+
+#[test]
+fn a_template_that_renders_tools_gets_them_and_the_calls_as_fields_and_sets_the_format() {
+    use crate::tools::{PastCall, ToolChoice, ToolFormat, Tools};
+    let chat_template = pd_engine::ChatTemplate::new(LLAMA_LIKE, "", "").expect("compiles");
+    let text = templated(chat_template);
+    let weather = weather();
     let call =
         PastCall { id: Some("call_1".into()), name: "get_weather".into(), arguments: r#"{"city":"Paris"}"#.into() };
     let turns = vec![
@@ -224,22 +233,14 @@ fn a_template_that_renders_tools_gets_them_and_the_calls_as_fields_and_sets_the_
 
 #[test]
 fn phi4_minis_template_never_renders_request_tools_so_pd_describes_them_in_hermes_form() {
-    use crate::tools::{Function, ToolChoice, ToolFormat, Tools};
+    use crate::tools::{ToolChoice, ToolFormat, Tools};
     // The real template (tokenizer_config.json of Phi-4-mini-instruct): it reads a system
     // message's own `tools` string, so the request's tools would never reach the model.
     let source = include_str!("../../../engine/tests/data/chat_templates/microsoft-Phi-4-mini-instruct.jinja");
     let chat_template = pd_engine::ChatTemplate::new(source, "<|endoftext|>", "<|endoftext|>").expect("compiles");
     assert!(!chat_template.uses_tools());
-    let text = TextSide {
-        tokenizer: Tokenizer::characters().expect("tokenizer"),
-        chat_template: Some(chat_template),
-        max_position: 4096,
-    };
-    let weather = Function {
-        name: "get_weather".into(),
-        description: None,
-        parameters: serde_json::json!({"type": "object", "properties": {"city": {"type": "string"}}}),
-    };
+    let text = templated(chat_template);
+    let weather = weather();
     let tools =
         Tools { functions: vec![weather], choice: ToolChoice::Auto, parallel: false, format: ToolFormat::Hermes };
     let turns = vec![Turn::new(Role::User, "Weather in Paris?")];
@@ -252,11 +253,7 @@ fn phi4_minis_template_never_renders_request_tools_so_pd_describes_them_in_herme
 #[test]
 fn chat_template_kwargs_reach_the_template_qwen3_thinking_off() {
     let source = include_str!("../../../engine/tests/data/chat_templates/Qwen-Qwen3-0.6B.jinja");
-    let text = TextSide {
-        tokenizer: Tokenizer::characters().expect("tokenizer"),
-        chat_template: Some(pd_engine::ChatTemplate::new(source, "", "<|im_end|>").expect("compiles")),
-        max_position: 4096,
-    };
+    let text = templated(pd_engine::ChatTemplate::new(source, "", "<|im_end|>").expect("compiles"));
     let turns = vec![Turn::new(Role::User, "Hi")];
     let off = serde_json::json!({"enable_thinking": false}).as_object().cloned().expect("object");
     let plain = render_chat(&turns, None, &serde_json::Map::new(), &text, true).expect("renders");
