@@ -530,7 +530,7 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
     if state.draining.load(Ordering::Relaxed) {
         return (StatusCode::SERVICE_UNAVAILABLE, "draining: shutting down").into_response();
     }
-    if state.scheduler.ready() {
+    if state.scheduler.ready().await {
         (StatusCode::OK, "ready").into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "no prefill or no decode worker answers").into_response()

@@ -176,10 +176,7 @@ async fn queue(
     span.set("pd.class", class.name.clone());
     let prompt = Arc::new(crate::schedule::Prompt::new(req.prompt_tokens.clone()));
     // Every answer's output is booked; the prompt once.
-    let granted = match scheduler.submit(class, prompt, req.params.max_tokens * req.n) {
-        Ok(pending) => pending.granted().await,
-        Err(e) => Err(e),
-    };
+    let granted = scheduler.submit(class, prompt, req.params.max_tokens * req.n).granted().await;
     match &granted {
         Ok(g) => span.set("pd.queue.waited_ms", g.placement.waited.as_secs_f64() * 1e3),
         Err(e) => span.error(e.to_string()),
@@ -556,9 +553,7 @@ impl RelayTask {
             let prompt = Arc::new(crate::schedule::Prompt::new(req.prompt_tokens.clone()));
             let mut tried = 0;
             let leg = loop {
-                let pending = scheduler
-                    .submit_migrated(&self.origin.class, prompt.clone(), req.params.max_tokens)
-                    .map_err(failed)?;
+                let pending = scheduler.submit_migrated(&self.origin.class, prompt.clone(), req.params.max_tokens);
                 let grant = pending.granted().await.map_err(failed)?;
                 let transfer = format!("{}-m{}a{i}", self.record.request_id, self.migrations);
                 let part = Part { answers: vec![i], offset, transfer };

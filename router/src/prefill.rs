@@ -71,7 +71,7 @@ impl PrefillCall {
             let Some(left) = self.deadline.checked_duration_since(Instant::now()) else { break };
             let picked = match next.take() {
                 Some(p) => p,
-                None => match self.scheduler.retry_prefill_worker(&tried) {
+                None => match self.scheduler.retry_prefill_worker(&tried).await {
                     Some(addr) => {
                         match self.scheduler.pools.prefill_client(&addr, "retry: shortest estimated wait".into()) {
                             Ok(p) => p,

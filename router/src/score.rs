@@ -57,8 +57,8 @@ async fn scored(
     let mut last = RouterError::NoWorker(stage);
     while tried.len() < TRIES {
         let next = match colocated {
-            true => scheduler.retry_decode_worker(&tried),
-            false => scheduler.retry_prefill_worker(&tried),
+            true => scheduler.retry_decode_worker(&tried).await,
+            false => scheduler.retry_prefill_worker(&tried).await,
         };
         let Some(addr) = next else { break };
         let request = traced(message.clone(), record.span().context(), record.class());

@@ -7,33 +7,35 @@
 //! capacity back as the request moves on (prefill done, stream ended).
 //!
 //! The rules live in `state` (each event a method on an explicit instant, no I/O) and
-//! `policy` (pure functions); this module owns the state behind one lock, reads the clock
-//! once per event, and delivers grants to their waiters. Worker state comes from `fleet` (a
+//! `policy` (pure functions); one task owns the state (`owner`): this module's handles send it
+//! events, and it reads the clock once per batch of them and delivers grants to their waiters. Worker state comes from `fleet` (a
 //! periodic refresh plus this router's own bookings); which prefixes each worker caches from
 //! `prefixes` (the workers' cache events): the decode worker is chosen by load and the
 //! prompt blocks it lacks, the prefill worker by the time to the first token (its wait plus
 //! the uncached part's compute).
 
 pub mod fleet;
+mod owner;
 pub mod policy;
 pub mod prefixes;
 mod rates;
 mod refresh;
 pub mod state;
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pd_telemetry::metrics::RouterMetrics;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::classes::{Class, Classes};
 use crate::error::RouterError;
 use crate::workers::Pools;
+use owner::{Event, Owner};
 use policy::LocalRule;
 pub use prefixes::Prompt;
 pub use state::Placement;
-use state::{State, STALL_FACTOR};
+use state::{Admitted, State, STALL_FACTOR};
 
 pub use refresh::{round_interval, spawn_refresh};
 
@@ -97,10 +99,10 @@ pub struct Grant {
 /// How a grant reaches the request waiting for it.
 type Reply = oneshot::Sender<Grant>;
 
-/// The router's queues and view of the workers.
+/// The handle to the router's queues and view of the workers (owned by one task, `owner`).
 #[derive(Debug)]
 pub struct Scheduler {
-    state: Mutex<State<Reply>>,
+    events: mpsc::UnboundedSender<Event>,
     pub classes: Classes,
     pub config: ScheduleConfig,
     pub pools: Arc<Pools>,
@@ -108,169 +110,135 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
+    /// Starts the task that owns the state (on the current tokio runtime); it ends when this
+    /// handle and every ticket are gone.
     pub fn new(classes: Classes, config: ScheduleConfig, pools: Arc<Pools>, metrics: RouterMetrics) -> Arc<Self> {
         let state = State::new(&classes, config.clone(), !pools.prefill.specs_empty());
-        Arc::new(Scheduler { state: Mutex::new(state), classes, config, pools, metrics })
+        let (events, inbox) = mpsc::unbounded_channel();
+        let owner = Owner::new(state, classes.clone(), metrics.clone(), events.downgrade());
+        tokio::spawn(owner.run(inbox));
+        Arc::new(Scheduler { events, classes, config, pools, metrics })
     }
 
-    fn lock(&self) -> MutexGuard<'_, State<Reply>> {
-        // Each event keeps the queue and the fleet consistent before any call that could panic.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn send(&self, event: Event) {
+        // Fails only once the task is gone, which this handle's own sender prevents.
+        let _ = self.events.send(event);
     }
 
-    /// Admits a request of `class` for `prompt` into the queue, or refuses it.
-    pub fn submit(
-        self: &Arc<Self>,
-        class: &Arc<Class>,
-        prompt: Arc<Prompt>,
-        max_tokens: usize,
-    ) -> Result<Pending, RouterError> {
+    /// Answers `question` from the state, after every event sent before it.
+    async fn ask<T: Default + Send + 'static>(&self, question: impl FnOnce(&State<Reply>) -> T + Send + 'static) -> T {
         let (tx, rx) = oneshot::channel();
-        let mut state = self.lock();
-        let now = Instant::now();
-        let admitted = state.submit(class, prompt, max_tokens, tx, now)?;
-        self.dispatch(&mut state, now);
-        Ok(self.pending(class, admitted, rx, now))
+        self.send(Event::Ask(Box::new(move |state| {
+            let _ = tx.send(question(state));
+        })));
+        rx.await.unwrap_or_default()
+    }
+
+    /// Submits a request of `class` for `prompt`; `Pending::granted` gives its admission
+    /// (or refusal) and then its grant.
+    pub fn submit(self: &Arc<Self>, class: &Arc<Class>, prompt: Arc<Prompt>, max_tokens: usize) -> Pending {
+        self.submit_event(class, prompt, max_tokens, false)
     }
 
     /// Queues a request whose decode worker was lost mid-stream (`prompt`: its prompt and the
     /// tokens already sent) without admission control: it was admitted once. It goes first
     /// among its priority. No decode worker outside quarantine (the lost one is in it): NoWorker
     /// at once.
-    pub fn submit_migrated(
+    pub fn submit_migrated(self: &Arc<Self>, class: &Arc<Class>, prompt: Arc<Prompt>, max_tokens: usize) -> Pending {
+        self.submit_event(class, prompt, max_tokens, true)
+    }
+
+    fn submit_event(
         self: &Arc<Self>,
         class: &Arc<Class>,
         prompt: Arc<Prompt>,
         max_tokens: usize,
-    ) -> Result<Pending, RouterError> {
-        let (tx, rx) = oneshot::channel();
-        let mut state = self.lock();
-        let now = Instant::now();
-        let admitted = state.submit_migrated(class, prompt, max_tokens, tx, now)?;
-        self.dispatch(&mut state, now);
-        Ok(self.pending(class, admitted, rx, now))
-    }
-
-    fn pending(
-        self: &Arc<Self>,
-        class: &Arc<Class>,
-        admitted: state::Admitted,
-        rx: oneshot::Receiver<Grant>,
-        now: Instant,
+        migrated: bool,
     ) -> Pending {
-        Pending {
-            scheduler: self.clone(),
-            seq: admitted.seq,
-            class: class.clone(),
-            rx: Some(rx),
-            expires: now + admitted.stall_after,
-        }
+        let (admitted_tx, admitted) = oneshot::channel();
+        let (reply, rx) = oneshot::channel();
+        let class = class.clone();
+        let submitted = Instant::now();
+        self.send(Event::Submit { class: class.clone(), prompt, max_tokens, migrated, admitted: admitted_tx, reply });
+        Pending { scheduler: self.clone(), class, admitted: Some(admitted), seq: None, rx: Some(rx), submitted }
     }
 
     /// Passes over decode worker `addr` for `how_long` (it lost a stream).
     pub fn quarantine(&self, addr: &str, how_long: Duration) {
-        let now = Instant::now();
-        self.lock().quarantine(addr, now + how_long, now);
-    }
-
-    /// Grants what fits and hands each grant to its waiter; a waiter that is gone (its client
-    /// left while it waited) gives its booking back, which may let another request go.
-    fn dispatch(self: &Arc<Self>, state: &mut State<Reply>, now: Instant) {
-        loop {
-            let mut gave_back = false;
-            for (tx, placement) in state.dispatch(now) {
-                if let Err(mut grant) = tx.send(self.grant(placement)) {
-                    // Its ticket gives the booking back here, under the lock this holds.
-                    grant.ticket.scheduler = None;
-                    state.release(grant.ticket.seq, false, now);
-                    gave_back = true;
-                }
-            }
-            if !gave_back {
-                break;
-            }
-        }
-        self.count_queued(state);
-    }
-
-    fn grant(self: &Arc<Self>, placement: Placement) -> Grant {
-        Grant { ticket: Ticket { scheduler: Some(self.clone()), seq: placement.seq }, placement }
-    }
-
-    /// The queue-length gauges.
-    fn count_queued(&self, state: &State<Reply>) {
-        for (class, n) in self.classes.all().iter().zip(state.queued_per_class()) {
-            self.metrics.queued.with_label_values(&[class.name.as_str()]).set(n as f64);
-        }
+        self.send(Event::Quarantine { addr: addr.to_string(), how_long });
     }
 
     /// The prefill worker with the shortest estimated wait, not in `exclude` (for retries;
     /// no slot is needed: the request already holds one).
-    pub fn retry_prefill_worker(&self, exclude: &[String]) -> Option<String> {
-        self.lock().retry_prefill_worker(exclude)
+    pub async fn retry_prefill_worker(&self, exclude: &[String]) -> Option<String> {
+        let exclude = exclude.to_vec();
+        self.ask(move |state| state.retry_prefill_worker(&exclude)).await
     }
 
     /// The decode worker with the least load in blocks, not in `exclude` (a prompt scored
     /// under colocated serving: it needs blocks for the prompt alone, for a moment).
-    pub fn retry_decode_worker(&self, exclude: &[String]) -> Option<String> {
-        self.lock().retry_decode_worker(exclude)
+    pub async fn retry_decode_worker(&self, exclude: &[String]) -> Option<String> {
+        let exclude = exclude.to_vec();
+        self.ask(move |state| state.retry_decode_worker(&exclude)).await
     }
 
     /// True when a decode worker answers, and a prefill worker too if a pool is configured.
-    pub fn ready(&self) -> bool {
-        self.lock().ready()
+    pub async fn ready(&self) -> bool {
+        self.ask(State::ready).await
     }
 
     /// The `Load` request for each known worker: where its cache events continue.
-    fn cursors(&self) -> (refresh::Cursors, refresh::Cursors) {
-        let state = self.lock();
-        let decode = state.fleet.decode().iter().map(|d| (d.addr.clone(), d.prefixes.cursor())).collect();
-        let prefill = state.fleet.prefill().iter().map(|p| (p.addr.clone(), p.prefixes.cursor())).collect();
-        (decode, prefill)
+    async fn cursors(&self) -> (refresh::Cursors, refresh::Cursors) {
+        self.ask(|state| {
+            let decode = state.fleet.decode().iter().map(|d| (d.addr.clone(), d.prefixes.cursor())).collect();
+            let prefill = state.fleet.prefill().iter().map(|p| (p.addr.clone(), p.prefixes.cursor())).collect();
+            (decode, prefill)
+        })
+        .await
     }
 
-    /// Takes a refresh's loads and dispatches what now fits; with no decode worker left,
-    /// every waiting request fails with 503 instead of waiting for its queue age.
+    /// Hands a refresh's loads to the state, which dispatches what now fits; with no decode
+    /// worker left, every waiting request fails with 503 instead of waiting for its queue age.
     fn refreshed(
-        self: &Arc<Self>,
+        &self,
         decode: Vec<(String, pd_proto::v1::DecodeLoad)>,
         prefill: Vec<(String, pd_proto::v1::PrefillLoad)>,
     ) {
-        let mut state = self.lock();
-        let now = Instant::now();
-        state.refreshed(decode, prefill, now);
-        self.dispatch(&mut state, now);
-    }
-
-    /// Removes a waiting request (its client left, or it expired); true if it was waiting.
-    fn withdraw(&self, seq: u64) -> bool {
-        let mut state = self.lock();
-        let withdrawn = state.withdraw(seq, Instant::now());
-        self.count_queued(&state);
-        withdrawn
+        self.send(Event::Refreshed { decode, prefill });
     }
 }
 
-/// A request in the queue; dropping it withdraws the request.
+/// A submitted request: its admission, then its place in the queue; dropping it withdraws
+/// the request.
 #[derive(Debug)]
 pub struct Pending {
     scheduler: Arc<Scheduler>,
-    seq: u64,
     class: Arc<Class>,
+    /// The admission answer, until it is read.
+    admitted: Option<oneshot::Receiver<Result<Admitted, RouterError>>>,
+    /// Its sequence number, once admitted.
+    seq: Option<u64>,
     rx: Option<oneshot::Receiver<Grant>>,
-    expires: Instant,
+    submitted: Instant,
 }
 
 impl Pending {
-    /// Waits for the grant. An admitted request is not refused later: the class's queue age
-    /// is a budget checked at admission (a queue whose oldest request is past it refuses new
-    /// ones at once). Only a request still waiting at `STALL_FACTOR` times the queue age,
-    /// which means the workers are not taking requests, fails (503).
+    /// Waits for the admission, then for the grant. An admitted request is not refused later:
+    /// the class's queue age is a budget checked at admission (a queue whose oldest request is
+    /// past it refuses new ones at once). Only a request still waiting at `STALL_FACTOR` times
+    /// the queue age, which means the workers are not taking requests, fails (503).
     pub async fn granted(mut self) -> Result<Grant, RouterError> {
-        let Some(rx) = self.rx.take() else { return Err(RouterError::NoWorker("decode")) };
-        let outcome = tokio::time::timeout_at(self.expires.into(), rx).await;
+        let Some(admission) = self.admitted.as_mut() else { return Err(RouterError::NoWorker("decode")) };
+        let outcome = admission.await;
+        self.admitted = None;
+        let admitted = outcome.map_err(|_| RouterError::NoWorker("decode"))??;
+        self.seq = Some(admitted.seq);
+        let expires = self.submitted + admitted.stall_after;
+        let Some(rx) = self.rx.as_mut() else { return Err(RouterError::NoWorker("decode")) };
+        let outcome = tokio::time::timeout_at(expires.into(), rx).await;
         match outcome {
             Ok(Ok(grant)) => {
+                self.rx = None;
                 self.scheduler
                     .metrics
                     .queue_time
@@ -279,62 +247,61 @@ impl Pending {
                 Ok(grant)
             }
             Ok(Err(_)) => Err(RouterError::NoWorker("decode")),
-            Err(_) => {
-                self.scheduler.withdraw(self.seq);
-                Err(RouterError::QueueStalled(format!(
-                    "waited {} ms in the queue of class `{}` ({STALL_FACTOR}x its max_queue_age_ms) without a worker \
-                     taking it",
-                    (self.class.max_queue_age() * STALL_FACTOR).as_millis(),
-                    self.class.name
-                )))
-            }
+            Err(_) => Err(RouterError::QueueStalled(format!(
+                "waited {} ms in the queue of class `{}` ({STALL_FACTOR}x its max_queue_age_ms) without a worker \
+                 taking it",
+                (self.class.max_queue_age() * STALL_FACTOR).as_millis(),
+                self.class.name
+            ))),
         }
     }
 }
 
 impl Drop for Pending {
     fn drop(&mut self) {
-        if self.rx.is_some() {
-            self.scheduler.withdraw(self.seq);
+        if let Some(mut admission) = self.admitted.take() {
+            // Closed first: either the answer is already here, or the task finds the waiter
+            // gone when it answers and withdraws the request itself.
+            admission.close();
+            self.seq = admission.try_recv().ok().and_then(Result::ok).map(|a| a.seq);
+        }
+        if let (Some(seq), Some(_)) = (self.seq, &self.rx) {
+            // Still waiting (or a grant arrived unread: its ticket gives it back).
+            self.scheduler.send(Event::Withdraw(seq));
         }
     }
 }
 
 /// Capacity a dispatched request holds (its booking in the scheduler, by sequence number);
-/// given back in parts, and all of it when dropped.
+/// given back in parts, and all of it when dropped. Each is an event to the owner task.
 #[derive(Debug)]
 pub struct Ticket {
     /// None for a grant that never reached its waiter (the dispatch that made it gave the
-    /// booking back).
-    scheduler: Option<Arc<Scheduler>>,
+    /// booking back), or once the scheduler is gone.
+    events: Option<mpsc::UnboundedSender<Event>>,
     seq: u64,
 }
 
 impl Ticket {
+    fn send(&self, event: Event) {
+        if let Some(events) = &self.events {
+            let _ = events.send(event);
+        }
+    }
+
     /// The decode worker reserved the KV: its own free-block count now includes it.
     pub fn decode_opened(&mut self) {
-        if let Some(s) = &self.scheduler {
-            s.lock().decode_opened(self.seq);
-        }
+        self.send(Event::DecodeOpened(self.seq));
     }
 
     /// The prompt is prefilled (or its prefill failed): its prefill slot is free.
     pub fn prefill_done(&mut self) {
-        if let Some(s) = &self.scheduler {
-            let mut state = s.lock();
-            state.prefill_done(self.seq);
-            s.dispatch(&mut state, Instant::now());
-        }
+        self.send(Event::PrefillDone(self.seq));
     }
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        if let Some(s) = self.scheduler.take() {
-            let mut state = s.lock();
-            let now = Instant::now();
-            state.release(self.seq, true, now);
-            s.dispatch(&mut state, now);
-        }
+        self.send(Event::Release(self.seq));
     }
 }

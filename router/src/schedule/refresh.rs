@@ -63,7 +63,7 @@ async fn poll_prefill(pool: &Pool, cursors: &Cursors) -> Vec<(String, pb::Prefil
 /// workers were asked.
 pub async fn refresh_once(scheduler: &Arc<Scheduler>) -> usize {
     let pools = scheduler.pools.clone();
-    let (dc, pc) = scheduler.cursors();
+    let (dc, pc) = scheduler.cursors().await;
     let asked = dc.len() + pc.len();
     let (decode, prefill) = tokio::join!(poll_decode(&pools.decode, &dc), poll_prefill(&pools.prefill, &pc));
     let asked = asked.max(decode.len() + prefill.len());
