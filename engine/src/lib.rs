@@ -28,7 +28,7 @@ pub mod sampling;
 mod simd;
 pub mod tokenizer;
 
-pub use chat::{ChatMessage, ChatTemplate, RESERVED_TEMPLATE_VARIABLES};
+pub use chat::{json_dumps, ChatMessage, ChatTemplate, RESERVED_TEMPLATE_VARIABLES};
 pub use config::{
     set_compute_threads, Activation, CacheConfig, DecoderParts, DeviceKind, KvCacheDType, LoadOptions, ModelConfig,
     MoeConfig, RopeScaling, RopeStyle, SlidingWindow, WeightFormat,

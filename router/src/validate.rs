@@ -8,7 +8,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use crate::error::RouterError;
-use crate::tools::{PastCall, Tools};
+use crate::tools::{PastCall, ToolFormat, Tools};
 
 /// Which API shape a request came in (and which defaults apply).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,8 +70,9 @@ impl Turn {
         m
     }
 
-    /// The turn for a template that knows nothing of tools: Hermes text (`tools.rs`).
-    fn as_text(&self) -> ChatMessage {
+    /// The turn for a template that does not render calls: calls as text in `format`
+    /// (`tools.rs`), tool results as Hermes `<tool_response>` user turns.
+    fn as_text(&self, format: ToolFormat) -> ChatMessage {
         if self.role == Role::Tool {
             return ChatMessage::new("user", &crate::tools::response_text(&self.content));
         }
@@ -80,7 +81,7 @@ impl Turn {
             if !text.is_empty() {
                 text.push('\n');
             }
-            text.push_str(&crate::tools::call_text(&call.name, &call.arguments));
+            text.push_str(&crate::tools::call_text(format, &call.name, &call.arguments));
         }
         ChatMessage::new(self.role.as_str(), &text)
     }
@@ -426,13 +427,21 @@ pub fn render_chat(
         .as_ref()
         .ok_or_else(|| RouterError::invalid("messages", "the model has no chat template"))?;
     let native = template.uses_tools();
+    let format = ToolFormat::of_template(template.source(), native, template.system_tools());
     let mut turns: Vec<ChatMessage> =
-        messages.iter().map(|t| if native { t.structured() } else { t.as_text() }).collect();
+        messages.iter().map(|t| if native { t.structured() } else { t.as_text(format) }).collect();
     let listed = tools.map(Tools::as_json);
     if let (Some(tools), false) = (tools, native) {
-        match turns.first_mut().filter(|m| m.role == "system") {
-            Some(system) => system.content = format!("{}\n\n{}", system.content, tools.system_prompt()),
-            None => turns.insert(0, ChatMessage::new("system", &tools.system_prompt())),
+        let system = turns.first_mut().filter(|m| m.role == "system");
+        match (system, format) {
+            (Some(system), ToolFormat::Phi4Mini) => system.tools = Some(tools.system_field()),
+            (None, ToolFormat::Phi4Mini) => {
+                let mut system = ChatMessage::new("system", crate::tools::SYSTEM_WITH_TOOLS);
+                system.tools = Some(tools.system_field());
+                turns.insert(0, system);
+            }
+            (Some(system), _) => system.content = format!("{}\n\n{}", system.content, tools.system_prompt()),
+            (None, _) => turns.insert(0, ChatMessage::new("system", &tools.system_prompt())),
         }
     }
     template
@@ -448,7 +457,7 @@ fn force_call(
     text: &TextSide,
 ) -> Result<(), RouterError> {
     if let Some(template) = &text.chat_template {
-        tools.format = crate::tools::ToolFormat::of_template(template.source(), template.uses_tools());
+        tools.format = ToolFormat::of_template(template.source(), template.uses_tools(), template.system_tools());
     }
     if let Some(forced) = tools.constraint() {
         if let Some((_, field)) = constraint {

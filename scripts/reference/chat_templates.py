@@ -107,6 +107,20 @@ CASES = {
         TOOLS,
         True,
     ),
+    # Phi-4-mini's convention (its model card): the tools as json.dumps text in the system
+    # message's own `tools` field; templates that do not read the field ignore it.
+    "system_message_tools": (
+        [
+            {
+                "role": "system",
+                "content": "You are a helpful assistant with some tools.",
+                "tools": json.dumps([TOOLS[0]["function"]]),
+            },
+            {"role": "user", "content": "What's the weather in Paris?"},
+        ],
+        None,
+        True,
+    ),
 }
 
 # Template arguments (`chat_template_kwargs`), passed as apply_chat_template(**kwargs) passes them.
@@ -134,6 +148,16 @@ def reads_tools(source):
     return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
 
 
+def renders_system_tools(source, bos, eos):
+    """Whether a system message's own `tools` field reaches the prompt (Phi-4-mini's convention)."""
+    probe = "\u0001pd-system-tools-probe\u0001"
+    messages = [{"role": "system", "content": "", "tools": probe}, {"role": "user", "content": "x"}]
+    try:
+        return probe in render(source, bos, eos, messages, None, True)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe does not render the field
+        return False
+
+
 def main():
     out = {
         "transformers": transformers.__version__,
@@ -158,7 +182,13 @@ def main():
                     # minijinja iterates None as empty. What pd renders instead is this.
                     entry["text_with_empty_tools"] = render(source, bos, eos, messages, [], agp)
             cases[case] = entry
-        out["templates"][name] = {"bos": bos, "eos": eos, "reads_tools": reads_tools(source), "cases": cases}
+        out["templates"][name] = {
+            "bos": bos,
+            "eos": eos,
+            "reads_tools": reads_tools(source),
+            "renders_system_tools": renders_system_tools(source, bos, eos),
+            "cases": cases,
+        }
         print(name, {c: ("error" if "error" in e else len(e["text"])) for c, e in cases.items()})
     (DATA / "expected.json").write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
 

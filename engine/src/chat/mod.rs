@@ -8,6 +8,8 @@
 
 mod tojson;
 
+pub use tojson::json_dumps;
+
 use std::time::SystemTime;
 
 use minijinja::{context, Environment, Error as JinjaError, ErrorKind};
@@ -26,11 +28,16 @@ pub struct ChatMessage {
     pub tool_calls: Option<Vec<serde_json::Value>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
+    /// A system message's own tool definitions, as JSON text: the convention of templates
+    /// that render them from the system message (Phi-4-mini's `<|tool|>...<|/tool|>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tools: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: &str, content: &str) -> Self {
-        ChatMessage { role: role.to_string(), content: content.to_string(), tool_calls: None, tool_call_id: None }
+        let (role, content) = (role.to_string(), content.to_string());
+        ChatMessage { role, content, tool_calls: None, tool_call_id: None, tools: None }
     }
 }
 
@@ -42,6 +49,8 @@ pub struct ChatTemplate {
     eos_token: String,
     /// The template reads the `tools` variable (renders tool definitions itself).
     uses_tools: bool,
+    /// The template renders a system message's own `tools` field (`ChatMessage::tools`).
+    system_tools: bool,
     /// The template's text (which tool-call format the model was taught is read from it).
     source: String,
 }
@@ -76,7 +85,18 @@ impl ChatTemplate {
             .undeclared_variables(false)
             .contains("tools");
         let (bos_token, eos_token, source) = (bos_token.to_string(), eos_token.to_string(), source.to_string());
-        Ok(ChatTemplate { env, bos_token, eos_token, uses_tools, source })
+        let mut template = ChatTemplate { env, bos_token, eos_token, uses_tools, system_tools: false, source };
+        template.system_tools = !uses_tools && template.renders_system_tools();
+        Ok(template)
+    }
+
+    /// Whether a system message's `tools` field reaches the prompt: a probe rendered once.
+    fn renders_system_tools(&self) -> bool {
+        const PROBE: &str = "\u{1}pd-system-tools-probe\u{1}";
+        let mut system = ChatMessage::new("system", "");
+        system.tools = Some(PROBE.to_string());
+        let probe = [system, ChatMessage::new("user", "x")];
+        self.render(&probe, true).is_ok_and(|text| text.contains(PROBE))
     }
 
     /// The same template with `strftime_now` reading `now` instead of the clock (tests, and
@@ -89,6 +109,12 @@ impl ChatTemplate {
     /// Whether the template renders tool definitions itself (its `tools` variable).
     pub fn uses_tools(&self) -> bool {
         self.uses_tools
+    }
+
+    /// Whether the template renders tool definitions given in the system message's own
+    /// `tools` field (and not the `tools` variable): Phi-4-mini's convention.
+    pub fn system_tools(&self) -> bool {
+        self.system_tools
     }
 
     /// The template's source text.
@@ -190,6 +216,9 @@ mod tests {
         );
         assert_eq!(render("{{ [1, {'k': 'v'}] | tojson(separators=(',', ':')) }}"), r#"[1,{"k":"v"}]"#);
         assert_eq!(render("{{ 2.0 | tojson }} {{ 1e16 | tojson }} {{ 123.25 | tojson }}"), "2.0 1e+16 123.25");
+        // Python's json.dumps with its defaults: ASCII only.
+        let v = serde_json::json!([{"name": "météo", "n": [1, 2.5], "ok": null}]);
+        assert_eq!(json_dumps(&v), r#"[{"name": "m\u00e9t\u00e9o", "n": [1, 2.5], "ok": null}]"#);
     }
 
     #[test]
@@ -221,6 +250,26 @@ mod tests {
              {{ message['tools'] }}{% endif %}{% endfor %}"
         ));
         assert!(!uses("{% set tools = [] %}{{ tools | length }}"));
+    }
+
+    #[test]
+    fn a_template_that_renders_a_system_messages_own_tools_is_recognized() {
+        let system_tools = |source: &str| ChatTemplate::new(source, "", "").expect("compiles").system_tools();
+        let phi4_mini = include_str!("../../tests/data/chat_templates/microsoft-Phi-4-mini-instruct.jinja");
+        assert!(system_tools(phi4_mini));
+        let qwen = include_str!("../../tests/data/chat_templates/Qwen-Qwen2.5-7B-Instruct.jinja");
+        assert!(!system_tools(qwen), "reads the tools variable");
+        let smollm2 = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
+        assert!(!system_tools(smollm2));
+        // A template that mentions the field but never renders it.
+        assert!(!system_tools("{% for m in messages %}{% if m.tools %}x{% endif %}{{ m.content }}{% endfor %}"));
+        let mut system = ChatMessage::new("system", "You are a helpful assistant with some tools.");
+        system.tools = Some(r#"[{"name": "f"}]"#.into());
+        let t = ChatTemplate::new(phi4_mini, "", "<|endoftext|>").expect("compiles");
+        assert_eq!(
+            t.render(&[system, ChatMessage::new("user", "Hi")], true).expect("renders"),
+            "<|system|>You are a helpful assistant with some tools.<|tool|>[{\"name\": \"f\"}]<|/tool|><|end|><|user|>Hi<|end|><|assistant|>"
+        );
     }
 
     #[test]

@@ -60,6 +60,17 @@ pub(super) fn tojson(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> std::r
 }
 
 /// Python's `json.dumps` options.
+/// Python's `json.dumps(value)` with its defaults (`ensure_ascii`, `", "` and `": "`): how
+/// a model card's example serializes what it puts in a prompt (Phi-4-mini's system `tools`).
+pub fn json_dumps(value: &serde_json::Value) -> String {
+    let dumper =
+        PyJson { ensure_ascii: true, indent: None, item_sep: ", ".into(), key_sep: ": ".into(), sort_keys: false };
+    let mut out = String::new();
+    // A JSON value always dumps: every kind it holds is one Python's json writes.
+    let _ = dumper.dump(&Value::from_serialize(value), 0, &mut out);
+    out
+}
+
 struct PyJson {
     ensure_ascii: bool,
     indent: Option<String>,

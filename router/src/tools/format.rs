@@ -8,6 +8,10 @@
 //!   separated by `;`.
 //! - **Mistral** (`[TOOL_CALLS]`): after optional text, `[TOOL_CALLS]` and a JSON list of
 //!   `{"name": ..., "arguments": {...}}` (v3 tokenizers), or `name[ARGS]{...}` per call (v11+).
+//! - **Phi-4-mini** (a template that renders the system message's own `tools` field): the
+//!   tools go there as a JSON list; calls come as `functools[{...}, ...]` (vLLM's and SGLang's
+//!   parsers) or `<|tool_call|>[...]<|/tool_call|>` (llama.cpp's), the markers possibly
+//!   dropped as special tokens. A required call is written `functools[...]`.
 
 use serde_json::{json, Value};
 
@@ -18,6 +22,7 @@ pub enum ToolFormat {
     Hermes,
     Llama3Json,
     Mistral,
+    Phi4Mini,
 }
 
 pub(super) const HERMES_OPEN: &str = "<tool_call>";
@@ -25,12 +30,18 @@ pub(super) const HERMES_CLOSE: &str = "</tool_call>";
 pub(super) const PYTHON_TAG: &str = "<|python_tag|>";
 pub(super) const MISTRAL_CALLS: &str = "[TOOL_CALLS]";
 pub(super) const MISTRAL_ARGS: &str = "[ARGS]";
+pub(super) const FUNCTOOLS: &str = "functools";
+pub(super) const PHI_CALL_OPEN: &str = "<|tool_call|>";
+pub(super) const PHI_CALL_CLOSE: &str = "<|/tool_call|>";
 
 impl ToolFormat {
-    /// The format a chat template teaches; `native` false (the template does not render
-    /// `tools`): Hermes, whose prompt pd adds to the system message.
-    pub fn of_template(source: &str, native: bool) -> Self {
-        if !native || source.contains(HERMES_OPEN) {
+    /// The format a chat template teaches: `system_tools` (it renders the system message's
+    /// own `tools` field): Phi-4-mini's; else `native` false (it does not render `tools`):
+    /// Hermes, whose prompt pd adds to the system message.
+    pub fn of_template(source: &str, native: bool, system_tools: bool) -> Self {
+        if system_tools && !native {
+            ToolFormat::Phi4Mini
+        } else if !native || source.contains(HERMES_OPEN) {
             ToolFormat::Hermes
         } else if source.contains(MISTRAL_CALLS) {
             ToolFormat::Mistral
@@ -45,6 +56,7 @@ impl ToolFormat {
     pub(super) fn argument_keys(self) -> &'static [&'static str] {
         match self {
             ToolFormat::Llama3Json => &["parameters", "arguments"],
+            ToolFormat::Phi4Mini => &["arguments", "parameters"],
             ToolFormat::Hermes | ToolFormat::Mistral => &["arguments"],
         }
     }
@@ -68,6 +80,10 @@ impl ToolFormat {
             ToolFormat::Mistral => {
                 let more = if several { r#" (", " args)*"# } else { "" };
                 format!("start: \"[TOOL_CALLS][\" args{more} \"]\"\nargs: %json {schema}\n")
+            }
+            ToolFormat::Phi4Mini => {
+                let more = if several { r#" (", " args)*"# } else { "" };
+                format!("start: \"functools[\" args{more} \"]\"\nargs: %json {schema}\n")
             }
         }
     }
@@ -93,10 +109,12 @@ mod tests {
         let qwen = "{%- if tools %}<tools>{{ tool | tojson }}</tools> <tool_call> ... {%- endif %}";
         let llama = "{%- if tools %}Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}.{{ '<|python_tag|>' }}{%- endif %}";
         let mistral = "{%- if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{%- endif %}[TOOL_CALLS]";
-        assert_eq!(ToolFormat::of_template(qwen, true), ToolFormat::Hermes);
-        assert_eq!(ToolFormat::of_template(llama, true), ToolFormat::Llama3Json);
-        assert_eq!(ToolFormat::of_template(mistral, true), ToolFormat::Mistral);
-        assert_eq!(ToolFormat::of_template(mistral, false), ToolFormat::Hermes, "pd's own prompt is Hermes");
-        assert_eq!(ToolFormat::of_template("{{ tools }}", true), ToolFormat::Hermes);
+        assert_eq!(ToolFormat::of_template(qwen, true, false), ToolFormat::Hermes);
+        assert_eq!(ToolFormat::of_template(llama, true, false), ToolFormat::Llama3Json);
+        assert_eq!(ToolFormat::of_template(mistral, true, false), ToolFormat::Mistral);
+        assert_eq!(ToolFormat::of_template(mistral, false, false), ToolFormat::Hermes, "pd's own prompt is Hermes");
+        assert_eq!(ToolFormat::of_template("{{ tools }}", true, false), ToolFormat::Hermes);
+        let phi4 = "{% if message['role'] == 'system' and 'tools' in message %}<|tool|>{{ message['tools'] }}<|/tool|>";
+        assert_eq!(ToolFormat::of_template(phi4, false, true), ToolFormat::Phi4Mini);
     }
 }

@@ -9,7 +9,9 @@
 //! conversation's earlier calls and tool results as structured messages; for one that does
 //! not (SmolLM2's), the Hermes system prompt below is added, earlier calls are written back as
 //! `<tool_call>` blocks and `tool` messages as user turns holding `<tool_response>` blocks, as
-//! Qwen 2.5's template does.
+//! Qwen 2.5's template does. A template that renders the system message's own `tools` field
+//! (Phi-4-mini's) gets the functions there, as its model card shows, and earlier calls in its
+//! `functools[...]` form.
 
 mod format;
 mod scan;
@@ -56,6 +58,10 @@ pub struct Tools {
     pub format: ToolFormat,
 }
 
+/// The system message pd adds for a template that renders the system message's `tools`
+/// field when the request has none (Phi-4-mini's model card's wording).
+pub const SYSTEM_WITH_TOOLS: &str = "You are a helpful assistant with some tools.";
+
 /// Longest function name (OpenAI's limit), made of letters, digits, `_` and `-`.
 const MAX_NAME: usize = 64;
 
@@ -71,11 +77,15 @@ pub fn check_name(name: &str, field: &str) -> Result<(), RouterError> {
     }
 }
 
-/// The text of one call as the model writes it (also how an assistant turn's earlier
-/// `tool_calls` are rendered back into the prompt).
-pub fn call_text(name: &str, arguments: &str) -> String {
+/// The text of one call as a model of `format` writes it (how an assistant turn's earlier
+/// `tool_calls` are rendered back into the prompt for a template that does not render them).
+pub fn call_text(format: ToolFormat, name: &str, arguments: &str) -> String {
     let arguments: Value = serde_json::from_str(arguments).unwrap_or_else(|_| Value::String(arguments.to_string()));
-    format!("<tool_call>\n{}\n</tool_call>", json!({"name": name, "arguments": arguments}))
+    let call = json!({"name": name, "arguments": arguments});
+    match format {
+        ToolFormat::Phi4Mini => format!("functools[{call}]"),
+        _ => format!("<tool_call>\n{call}\n</tool_call>"),
+    }
 }
 
 /// A `tool` message as a Hermes tool response.
@@ -99,6 +109,21 @@ impl Tools {
             json!({"type": "function", "function": function})
         };
         self.functions.iter().map(function).collect()
+    }
+
+    /// The functions as a JSON list of `{name, description, parameters}`, written as Python's
+    /// `json.dumps` writes it: what Phi-4-mini's model card puts in the system message's
+    /// `tools` field.
+    pub fn system_field(&self) -> String {
+        let function = |f: &Function| {
+            let mut function = json!({"name": f.name});
+            if let Some(d) = &f.description {
+                function["description"] = Value::String(d.clone());
+            }
+            function["parameters"] = f.parameters.clone();
+            function
+        };
+        pd_engine::json_dumps(&Value::Array(self.functions.iter().map(function).collect()))
     }
 
     /// The Hermes tool prompt (Qwen 2.5's wording), added to the system message.
@@ -175,8 +200,16 @@ pub(crate) mod tests {
     #[test]
     fn a_call_written_back_parses_as_the_same_call() {
         assert_eq!(
-            parse(&call_text("get_time", "{}"), &tools(ToolChoice::Auto)).1,
+            parse(&call_text(ToolFormat::Hermes, "get_time", "{}"), &tools(ToolChoice::Auto)).1,
             vec![ParsedCall { name: "get_time".into(), arguments: "{}".into() }]
+        );
+        let mut phi4 = tools(ToolChoice::Auto);
+        phi4.format = ToolFormat::Phi4Mini;
+        let written = call_text(ToolFormat::Phi4Mini, "get_weather", r#"{"city":"Paris"}"#);
+        assert_eq!(written, r#"functools[{"name":"get_weather","arguments":{"city":"Paris"}}]"#);
+        assert_eq!(
+            parse(&written, &phi4).1,
+            vec![ParsedCall { name: "get_weather".into(), arguments: r#"{"city":"Paris"}"#.into() }]
         );
     }
 

@@ -4,7 +4,10 @@
 //! its JSON string is complete, and the byte span of its arguments as far as they have
 //! arrived; text that might still turn into a call's opening is held back.
 
-use super::format::{ToolFormat, HERMES_CLOSE, HERMES_OPEN, MISTRAL_ARGS, MISTRAL_CALLS, PYTHON_TAG};
+use super::format::{
+    ToolFormat, FUNCTOOLS, HERMES_CLOSE, HERMES_OPEN, MISTRAL_ARGS, MISTRAL_CALLS, PHI_CALL_CLOSE, PHI_CALL_OPEN,
+    PYTHON_TAG,
+};
 use super::{ParsedCall, Tools};
 
 /// One call as far as it has arrived.
@@ -39,6 +42,7 @@ pub(super) fn scan(text: &str, tools: &Tools) -> Scan {
         ToolFormat::Hermes => hermes(text),
         ToolFormat::Llama3Json => llama3(text),
         ToolFormat::Mistral => mistral(text),
+        ToolFormat::Phi4Mini => phi4_mini(text),
     };
     let offered = |name: &str| tools.functions.iter().any(|f| f.name == name);
     if let Some(bad) = s.calls.iter().position(|c| match &c.name {
@@ -154,25 +158,7 @@ fn mistral(t: &str) -> Scan {
         return s;
     }
     if b[j] == b'[' {
-        j = ws(b, j + 1);
-        while j < b.len() {
-            if b[j] != b'{' {
-                s.broken = true;
-                break;
-            }
-            let (call, end) = object(t, j, ToolFormat::Mistral.argument_keys());
-            s.calls.push(call);
-            let Some(end) = end.take(&mut s) else { break };
-            j = ws(b, end);
-            match b.get(j) {
-                Some(b',') => j = ws(b, j + 1),
-                Some(b']') | None => break,
-                Some(_) => {
-                    s.broken = true;
-                    break;
-                }
-            }
-        }
+        list(t, j, ToolFormat::Mistral, &mut s);
         return s;
     }
     // `name[ARGS]{...}`, each call after its own `[TOOL_CALLS]`.
@@ -203,6 +189,88 @@ fn mistral(t: &str) -> Scan {
         j = ws(b, j + MISTRAL_CALLS.len());
     }
     s
+}
+
+/// Phi-4-mini: `functools[{...}, ...]` after optional text (vLLM's and SGLang's convention),
+/// or `<|tool_call|>` and a list or one object, optionally closed by `<|/tool_call|>` and
+/// followed by more (llama.cpp's). Where those markers are special tokens, the answer's text
+/// lacks them: an answer that opens with a JSON list is read as that list of calls.
+fn phi4_mini(t: &str) -> Scan {
+    let b = t.as_bytes();
+    let found = [FUNCTOOLS, PHI_CALL_OPEN].into_iter().filter_map(|m| t.find(m).map(|i| (i, m))).min();
+    let Some((first, marker)) = found else {
+        let j = ws(b, 0);
+        return match b.get(j) {
+            None => Scan::default(),
+            Some(b'[') => {
+                let mut s = Scan { calls_start: Some(0), ..Scan::default() };
+                list(t, j, ToolFormat::Phi4Mini, &mut s);
+                s
+            }
+            Some(_) => content_only(t, &[FUNCTOOLS, PHI_CALL_OPEN]),
+        };
+    };
+    let mut s = Scan { content: t[..first].trim_end().len(), calls_start: Some(first), ..Scan::default() };
+    let mut j = ws(b, first + marker.len());
+    loop {
+        let end = match b.get(j) {
+            None => break,
+            Some(b'[') => match list(t, j, ToolFormat::Phi4Mini, &mut s) {
+                Some(end) => end,
+                None => break,
+            },
+            Some(b'{') if marker == PHI_CALL_OPEN => {
+                let (call, end) = object(t, j, ToolFormat::Phi4Mini.argument_keys());
+                s.calls.push(call);
+                match end.take(&mut s) {
+                    Some(end) => end,
+                    None => break,
+                }
+            }
+            Some(_) => {
+                s.broken = true;
+                break;
+            }
+        };
+        if marker != PHI_CALL_OPEN {
+            break;
+        }
+        // After a `<|tool_call|>` block: its optional close, then perhaps another block.
+        j = ws(b, end);
+        if t[j..].starts_with(PHI_CALL_CLOSE) {
+            j = ws(b, j + PHI_CALL_CLOSE.len());
+        }
+        if !t[j..].starts_with(PHI_CALL_OPEN) {
+            break;
+        }
+        j = ws(b, j + PHI_CALL_OPEN.len());
+    }
+    s
+}
+
+/// The JSON list of call objects at `t[j]` (a `[`), into `s`; where it ends once complete.
+fn list(t: &str, j: usize, format: ToolFormat, s: &mut Scan) -> Option<usize> {
+    let b = t.as_bytes();
+    let mut j = ws(b, j + 1);
+    while j < b.len() {
+        if b[j] != b'{' {
+            s.broken = true;
+            return None;
+        }
+        let (call, end) = object(t, j, format.argument_keys());
+        s.calls.push(call);
+        j = ws(b, end.take(s)?);
+        match b.get(j) {
+            Some(b',') => j = ws(b, j + 1),
+            Some(b']') => return Some(j + 1),
+            None => return None,
+            Some(_) => {
+                s.broken = true;
+                return None;
+            }
+        }
+    }
+    None
 }
 
 /// An answer with no call so far: everything is content except a tail that may be the
@@ -394,7 +462,20 @@ mod tests {
         let mistral = "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}, {\"name\": \"get_time\", \"arguments\": {}}]";
         assert_eq!(calls(mistral, ToolFormat::Mistral), vec![weather.clone(), time.clone()]);
         let mistral11 = "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}[TOOL_CALLS]get_time[ARGS]{}";
-        assert_eq!(calls(mistral11, ToolFormat::Mistral), vec![weather, time]);
+        assert_eq!(calls(mistral11, ToolFormat::Mistral), vec![weather.clone(), time.clone()]);
+        for phi4 in [
+            "functools[{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}, {\"name\": \"get_time\", \"arguments\": {}}]",
+            "<|tool_call|>[{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}, {\"name\": \"get_time\"}]<|/tool_call|>",
+            "<|tool_call|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}<|/tool_call|>\n<|tool_call|>{\"name\": \"get_time\"}<|/tool_call|>",
+            // The markers were special tokens, left out of the text.
+            " [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}, {\"name\": \"get_time\", \"arguments\": {}}]",
+        ] {
+            assert_eq!(calls(phi4, ToolFormat::Phi4Mini), vec![weather.clone(), time.clone()], "{phi4}");
+        }
+        let mut t = tools(ToolChoice::Auto);
+        t.format = ToolFormat::Phi4Mini;
+        let (content, parsed) = parse("Let me look.\nfunctools[{\"name\": \"get_time\"}]", &t);
+        assert_eq!((content.as_str(), parsed.len()), ("Let me look.", 1));
     }
 
     #[test]
@@ -408,6 +489,10 @@ mod tests {
             ("{\"answer\": 42}", ToolFormat::Llama3Json),
             ("Paris is sunny.", ToolFormat::Llama3Json),
             ("[TOOL_CALLS] [{\"name\": \"rm_rf\", \"arguments\": {}}]", ToolFormat::Mistral),
+            ("[1] is a citation.", ToolFormat::Phi4Mini),
+            ("functools[{\"name\": \"rm_rf\", \"arguments\": {}}]", ToolFormat::Phi4Mini),
+            ("<|tool_call|>{\"name\": \"get_time\"", ToolFormat::Phi4Mini),
+            ("It is sunny in Paris.", ToolFormat::Phi4Mini),
         ] {
             assert_eq!(calls(text, format), Vec::new(), "{text}");
             let mut t = tools(ToolChoice::Auto);

@@ -155,6 +155,9 @@ mod tests {
             ("[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}]", ToolFormat::Mistral),
             ("[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}", ToolFormat::Mistral),
             ("<tool_call>{\"name\": \"get_weather\", \"arguments\": \"{\\\"city\\\": \\\"Paris\\\"}\"}</tool_call>", ToolFormat::Hermes),
+            ("Checking.\nfunctools[{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}, {\"name\": \"get_time\", \"arguments\": {}}]", ToolFormat::Phi4Mini),
+            ("<|tool_call|>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}<|/tool_call|><|tool_call|>{\"name\": \"get_time\"}<|/tool_call|>", ToolFormat::Phi4Mini),
+            ("[{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}]", ToolFormat::Phi4Mini),
         ];
         for (text, format) in answers {
             let mut t = tools(ToolChoice::Auto);
@@ -179,6 +182,8 @@ mod tests {
             ("<tool_call>{\"name\": \"rm_rf\", \"arguments\": {}}</tool_call>", ToolFormat::Hermes),
             ("{\"answer\": 42}", ToolFormat::Llama3Json),
             ("Sunny. <tool_", ToolFormat::Hermes),
+            ("Sunny. functool", ToolFormat::Phi4Mini),
+            ("[1] is a citation.", ToolFormat::Phi4Mini),
         ] {
             for step in [1, 4, 1000] {
                 let (content, calls, made, _) = stream(text, format, step);

@@ -232,22 +232,74 @@ fn a_template_that_renders_tools_gets_them_and_the_calls_as_fields_and_sets_the_
 }
 
 #[test]
-fn phi4_minis_template_never_renders_request_tools_so_pd_describes_them_in_hermes_form() {
-    use crate::tools::{ToolChoice, ToolFormat, Tools};
-    // The real template (tokenizer_config.json of Phi-4-mini-instruct): it reads a system
-    // message's own `tools` string, so the request's tools would never reach the model.
+fn phi4_mini_gets_the_tools_in_its_system_message_and_calls_in_its_own_form() {
+    use crate::tools::{PastCall, ToolChoice, ToolFormat, Tools};
+    // The real template (tokenizer_config.json of Phi-4-mini-instruct): it never reads the
+    // `tools` variable; it renders a system message's own `tools` string, as the model card
+    // shows: `{"role": "system", "content": ..., "tools": json.dumps(tools)}`.
     let source = include_str!("../../../engine/tests/data/chat_templates/microsoft-Phi-4-mini-instruct.jinja");
     let chat_template = pd_engine::ChatTemplate::new(source, "<|endoftext|>", "<|endoftext|>").expect("compiles");
-    assert!(!chat_template.uses_tools());
+    assert!(!chat_template.uses_tools() && chat_template.system_tools());
     let text = templated(chat_template);
-    let weather = weather();
     let tools =
-        Tools { functions: vec![weather], choice: ToolChoice::Auto, parallel: false, format: ToolFormat::Hermes };
-    let turns = vec![Turn::new(Role::User, "Weather in Paris?")];
+        Tools { functions: vec![weather()], choice: ToolChoice::Auto, parallel: false, format: ToolFormat::Hermes };
+    let listed =
+        r#"[{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]"#;
+    let mut turns = vec![Turn::new(Role::User, "Weather in Paris?")];
     let rendered = render_chat(&turns, Some(&tools), &serde_json::Map::new(), &text, true).expect("renders");
-    assert!(rendered.starts_with("<|system|>"), "{rendered}");
-    assert!(rendered.contains("\"get_weather\"") && rendered.contains("<tool_call>"), "{rendered}");
-    assert!(rendered.ends_with("<|user|>Weather in Paris?<|end|><|assistant|>"), "{rendered}");
+    assert_eq!(
+        rendered,
+        format!(
+            "<|system|>You are a helpful assistant with some tools.<|tool|>{listed}<|/tool|><|end|>\
+             <|user|>Weather in Paris?<|end|><|assistant|>"
+        )
+    );
+    // The client's own system message keeps its words; an earlier call is written back as the
+    // model writes calls.
+    turns.insert(0, Turn::new(Role::System, "Be brief."));
+    let mut answered = Turn::new(Role::Assistant, "");
+    answered.calls.push(PastCall { id: None, name: "get_weather".into(), arguments: r#"{"city":"Paris"}"#.into() });
+    turns.push(answered);
+    let rendered = render_chat(&turns, Some(&tools), &serde_json::Map::new(), &text, true).expect("renders");
+    assert!(rendered.starts_with(&format!("<|system|>Be brief.<|tool|>{listed}<|/tool|><|end|>")), "{rendered}");
+    assert!(
+        rendered.contains(r#"<|assistant|>functools[{"name":"get_weather","arguments":{"city":"Paris"}}]<|end|>"#),
+        "{rendered}"
+    );
+    // As transformers renders the model card's own example (json.dumps of the functions in
+    // the system message), byte for byte: scripts/reference/chat_templates.py.
+    let expected: serde_json::Value =
+        serde_json::from_str(include_str!("../../../engine/tests/data/chat_templates/expected.json"))
+            .expect("expected.json");
+    let cases = &expected["templates"]["microsoft-Phi-4-mini-instruct"]["cases"];
+    let f = &cases["tools"]["tools"][0]["function"];
+    let function = crate::tools::Function {
+        name: f["name"].as_str().expect("name").into(),
+        description: f["description"].as_str().map(String::from),
+        parameters: f["parameters"].clone(),
+    };
+    let reference =
+        Tools { functions: vec![function], choice: ToolChoice::Auto, parallel: false, format: ToolFormat::Hermes };
+    let case = &cases["system_message_tools"];
+    let asked = vec![
+        Turn::new(Role::System, case["messages"][0]["content"].as_str().expect("system")),
+        Turn::new(Role::User, case["messages"][1]["content"].as_str().expect("user")),
+    ];
+    let rendered = render_chat(&asked, Some(&reference), &serde_json::Map::new(), &text, true).expect("renders");
+    assert_eq!(rendered, case["text"].as_str().expect("text"));
+    // A forced call is written `functools[...]`, which its parser reads back.
+    let mut p = completion("x");
+    p.kind = Kind::Chat;
+    p.input = Input::Messages(vec![Turn::new(Role::User, "Weather in Paris?")]);
+    let mut forced = tools.clone();
+    forced.choice = ToolChoice::Required;
+    p.tools = Some(forced);
+    let r = validate(p, &text, "m", &LIMITS).expect("valid");
+    assert_eq!(r.tools.as_ref().map(|t| t.format), Some(ToolFormat::Phi4Mini));
+    match &r.params.constraint {
+        Some(OutputConstraint::Lark(g)) => assert!(g.starts_with("start: \"functools[\""), "{g}"),
+        other => panic!("a forced call is a grammar in the model's format: {other:?}"),
+    }
 }
 
 #[test]
