@@ -55,6 +55,8 @@ pub use validate::Limits;
 pub struct Config {
     /// The model file or folder (the router reads only its tokenizer and chat template).
     pub model: PathBuf,
+    /// A chat template file used instead of the model's own (`--chat-template`).
+    pub chat_template: Option<PathBuf>,
     /// The name clients use in `model`.
     pub model_name: String,
     /// Empty: colocated serving (decode workers prefill every prompt themselves).
@@ -82,6 +84,22 @@ pub struct Config {
     pub body_read_timeout: std::time::Duration,
 }
 
+/// `text` with the chat template in `path` instead of the model's own (its `bos_token` and
+/// `eos_token` are still the model's).
+pub fn with_chat_template(
+    mut text: pd_engine::TextSide,
+    path: &std::path::Path,
+) -> anyhow::Result<pd_engine::TextSide> {
+    let source = std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("--chat-template {}: cannot be read: {e}", path.display()))?;
+    let t = &text.tokenizer;
+    let text_of = |id: Option<u32>| id.and_then(|i| t.id_to_token(i)).unwrap_or_default();
+    let template = pd_engine::ChatTemplate::new(&source, &text_of(t.bos_id()), &text_of(t.eos_ids().first().copied()))
+        .map_err(|e| anyhow::anyhow!("--chat-template {}: {e}", path.display()))?;
+    text.chat_template = Some(template);
+    Ok(text)
+}
+
 /// Serves HTTP on `http` and gRPC on `grpc` until `shutdown` resolves.
 pub async fn run(
     config: Config,
@@ -90,8 +108,12 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let text = {
-        let model = config.model.clone();
-        Arc::new(tokio::task::spawn_blocking(move || pd_engine::load_text_side(&model)).await??)
+        let (model, template) = (config.model.clone(), config.chat_template.clone());
+        let text = tokio::task::spawn_blocking(move || pd_engine::load_text_side(&model)).await??;
+        Arc::new(match template {
+            Some(path) => with_chat_template(text, &path)?,
+            None => text,
+        })
     };
     let metrics = Arc::new(pd_telemetry::Metrics::new());
     let router_metrics = RouterMetrics::register(&metrics);

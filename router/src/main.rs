@@ -106,6 +106,10 @@ struct Args {
     /// Model file or folder (only its tokenizer and chat template are read).
     #[arg(long, env = "PD_MODEL", default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
     model: PathBuf,
+    /// A chat template file (Jinja, as in tokenizer_config.json) used instead of the model's
+    /// own, as vLLM's and SGLang's --chat-template: a tool-use or corrected template.
+    #[arg(long, env = "PD_CHAT_TEMPLATE")]
+    chat_template: Option<PathBuf>,
     /// Name clients pass as `model`.
     #[arg(long, env = "PD_MODEL_NAME", default_value = "SmolLM2-135M-Instruct")]
     model_name: String,
@@ -139,6 +143,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let config = pd_router::Config {
         model: args.model,
+        chat_template: args.chat_template,
         model_name: args.model_name,
         prefill_workers: args.prefill,
         decode_workers: args.decode,

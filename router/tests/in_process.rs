@@ -159,6 +159,7 @@ async fn no_reachable_worker_is_503_and_not_ready() {
         let addr = http.local_addr().expect("addr");
         let config = pd_router::Config {
             model: model_path(),
+            chat_template: None,
             model_name: "SmolLM2-135M-Instruct".into(),
             prefill_workers: Vec::new(),
             decode_workers: config_decode,
@@ -701,4 +702,28 @@ async fn models_health_and_metrics_answer() {
         metrics.contains("pd_time_to_first_token_seconds_count{class=\"interactive\",input_bucket=\"1-128\"} 1"),
         "{metrics}"
     );
+}
+
+/// `--chat-template`: another template replaces the model's own, keeping the model's special
+/// tokens; a file that cannot be read or does not compile is refused naming the flag and path.
+#[test]
+fn a_chat_template_file_replaces_the_models_own_or_is_refused_by_name() {
+    let text = || pd_engine::load_text_side(&model_path()).expect("text side");
+    let dir = std::env::temp_dir().join(format!("pd-chat-template-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let good = dir.join("good.jinja");
+    std::fs::write(&good, "{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}{% endfor %}")
+        .expect("write");
+    let side = pd_router::with_chat_template(text(), &good).expect("compiles");
+    let template = side.chat_template.as_ref().expect("a template");
+    let rendered = template.render(&[pd_engine::ChatMessage::new("user", "Hi")], false).expect("renders");
+    assert_eq!(rendered, "[user] Hi<|im_end|>", "the model's eos token");
+    let missing = dir.join("missing.jinja");
+    let err = pd_router::with_chat_template(text(), &missing).expect_err("no file").to_string();
+    assert!(err.contains("--chat-template") && err.contains("missing.jinja"), "{err}");
+    let bad = dir.join("bad.jinja");
+    std::fs::write(&bad, "{% for %}").expect("write");
+    let err = pd_router::with_chat_template(text(), &bad).expect_err("does not compile").to_string();
+    assert!(err.contains("--chat-template") && err.contains("does not compile"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

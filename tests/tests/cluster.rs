@@ -367,6 +367,36 @@ async fn client_libraries_get_what_they_ask_for() {
     cluster.wait_kv_free(Duration::from_secs(5)).await;
 }
 
+/// A router serving another model's chat template (`--chat-template`, here Phi-4-mini's, which
+/// takes tools in the system message's own field): the `openai` client gets OpenAI tool calls
+/// from the model's `functools[...]` answers, whole and streamed (tests/clients/template_tools.py).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_template_given_to_the_router_serves_its_tool_calls() {
+    let template =
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../engine/tests/data/chat_templates/microsoft-Phi-4-mini-instruct.jinja");
+    let options = pd_tests::Options {
+        prefill: 1,
+        router_args: vec!["--chat-template".into(), template.into()],
+        ..Default::default()
+    };
+    let cluster = Cluster::start_with(options).await;
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients").join("template_tools.py");
+    let run = tokio::process::Command::new("python3")
+        .arg(&path)
+        .arg(format!("http://{}", cluster.http))
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(300), run).await.expect("the client script timed out");
+    let out = out.expect("python3 runs (scripts/install-clients.sh installs the client libraries)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("all passed"),
+        "template_tools.py:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    cluster.wait_kv_free(Duration::from_secs(5)).await;
+}
+
 /// The pid of the wrapper's child (the router) inside its own PID namespace.
 fn pid_in_namespace(wrapper: u32) -> Option<u32> {
     let children = std::fs::read_to_string(format!("/proc/{wrapper}/task/{wrapper}/children")).ok()?;
