@@ -48,6 +48,8 @@ fn message_from_pb(i: usize, m: pb::ChatMessage) -> Result<Turn, RouterError> {
         name: None,
         tool_calls: Some(calls.collect::<Vec<_>>()).filter(|c| !c.is_empty()),
         tool_call_id: Some(m.tool_call_id).filter(|id| !id.is_empty()),
+        // gRPC answers carry tokens' text, not a split reasoning block.
+        reasoning_content: None,
     };
     message.turn(i)
 }

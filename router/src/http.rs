@@ -26,6 +26,7 @@ use crate::api::response::{
 use crate::classes::{Class, CLASS_HEADER};
 use crate::error::RouterError;
 use crate::lifecycle;
+use crate::reasoning::{Part, ReasoningStream};
 use crate::record::{client_request_id, Arrival, RequestRecord};
 use crate::relay::Update;
 use crate::schedule::Scheduler;
@@ -50,6 +51,8 @@ pub struct AppState {
     pub draining: AtomicBool,
     /// `--log-content`: the request record carries the prompt and the generated text.
     pub log_content: bool,
+    /// A thinking model's `<think>` block goes to `reasoning_content` (`--reasoning-parser`).
+    pub separate_reasoning: bool,
 }
 
 /// Who sent a request: its traffic class (or why it has none) and its tenant.
@@ -87,7 +90,9 @@ impl AppState {
         let state = self.clone();
         let run = move |p: GenerateParams| {
             let (given, field) = (p.max_tokens.is_some(), p.max_tokens_field);
-            validate(p, &state.text, &state.model_name, &state.limits).map(|r| (r, given, field))
+            let mut valid = validate(p, &state.text, &state.model_name, &state.limits)?;
+            valid.reasoning = valid.reasoning.filter(|_| state.separate_reasoning);
+            Ok((valid, given, field))
         };
         let validated = match params {
             Ok(p) if p.is_light() => run(p),
@@ -333,25 +338,68 @@ struct Answer {
     started: bool,
     /// Streaming with tools: the answer read for calls as it comes.
     calls: Option<CallStream>,
+    /// Streaming from a thinking model: its `<think>` block read apart as it comes.
+    thinking: Option<ReasoningStream>,
+}
+
+/// What a streamed answer sends: a piece of its reasoning, or of its content and calls.
+enum Out {
+    Reasoning(String),
+    Piece(Piece),
 }
 
 impl Answer {
     fn new(req: &ValidRequest) -> Self {
         let logprobs = req.params.logprobs.map(|_| Logprobs::new(req.kind));
         let calls = req.tools.clone().filter(|_| req.stream).map(CallStream::new);
-        Answer { text: String::new(), logprobs, started: false, calls }
+        let thinking = req.reasoning.filter(|_| req.stream).map(ReasoningStream::new);
+        Answer { text: String::new(), logprobs, started: false, calls, thinking }
     }
 
-    /// The chunks of `pieces` (content and pieces of calls); the log probabilities so far go
-    /// with the first.
-    fn chunks(&mut self, kind: Kind, index: u32, pieces: Vec<Piece>) -> Vec<ChunkChoice> {
+    /// The next text of a streamed answer, as what can be sent now.
+    fn stream(&mut self, text: String) -> Vec<Out> {
+        let parts = match &mut self.thinking {
+            Some(thinking) => thinking.push(&text),
+            None => vec![Part::Content(text)],
+        };
+        self.route(parts)
+    }
+
+    /// The end of a streamed answer: what was held back, and whether it made calls.
+    fn finish(&mut self) -> (Vec<Out>, bool) {
+        let parts = self.thinking.as_mut().map(ReasoningStream::finish).unwrap_or_default();
+        let mut out = self.route(parts);
+        let (pieces, made_calls) = self.calls.as_mut().map(CallStream::finish).unwrap_or_default();
+        out.extend(pieces.into_iter().map(Out::Piece));
+        (out, made_calls)
+    }
+
+    /// Reasoning goes out as it is; content is read for calls when there are tools.
+    fn route(&mut self, parts: Vec<Part>) -> Vec<Out> {
+        let mut out = Vec::with_capacity(parts.len());
+        for part in parts {
+            match (part, &mut self.calls) {
+                (Part::Reasoning(r), _) => out.push(Out::Reasoning(r)),
+                (Part::Content(c), Some(calls)) => out.extend(calls.push(&c).into_iter().map(Out::Piece)),
+                (Part::Content(c), None) => out.push(Out::Piece(Piece::Content(c))),
+            }
+        }
+        out
+    }
+
+    /// The chunks of `pieces` (reasoning, content and pieces of calls); the log probabilities
+    /// so far go with the first.
+    fn chunks(&mut self, kind: Kind, index: u32, pieces: Vec<Out>) -> Vec<ChunkChoice> {
         let mut out = Vec::with_capacity(pieces.len());
         for piece in pieces {
             let first = !std::mem::replace(&mut self.started, true);
             let logprobs = self.logprobs.as_mut().map(Logprobs::take).filter(|l| !l.is_empty());
             let choice = match piece {
-                Piece::Content(text) => ChunkChoice::token(kind, text, first, logprobs),
-                call => ChunkChoice::tool_call(ToolCallDelta::of(call).expect("a piece of a call"), first, logprobs),
+                Out::Reasoning(text) => ChunkChoice::reasoning(text, first, logprobs),
+                Out::Piece(Piece::Content(text)) => ChunkChoice::token(kind, text, first, logprobs),
+                Out::Piece(call) => {
+                    ChunkChoice::tool_call(ToolCallDelta::of(call).expect("a piece of a call"), first, logprobs)
+                }
             };
             out.push(choice.at(index));
         }
@@ -402,12 +450,17 @@ async fn collect_response(
             Ok(Update::Finished { index, finish_reason, .. }) => {
                 let answer = answers.get(index);
                 let (text, logprobs) = (std::mem::take(&mut answer.text), answer.logprobs.take());
+                let (reasoning, text) = match req.reasoning {
+                    Some(start) => crate::reasoning::split(&text, start),
+                    None => (None, text),
+                };
                 let choice = match req.tools.as_deref().map(|t| crate::tools::parse(&text, t)) {
                     Some((content, calls)) if !calls.is_empty() => {
                         Choice::with_tool_calls(content, ToolCall::all(calls), logprobs)
                     }
                     _ => Choice::of(req.kind, text, finish_reason, logprobs),
                 };
+                let choice = choice.with_reasoning(reasoning);
                 choices.push((index, choice.at(index)));
             }
             Ok(Update::Done { prompt_tokens, completion_tokens, cached_tokens }) => {
@@ -454,19 +507,16 @@ fn stream_response(
             Ok(Update::Token { index, token_id, text, logprobs: l }) => {
                 let answer = answers.get(index);
                 answer.push(&side, token_id, &text, l.as_ref());
-                let pieces = match &mut answer.calls {
-                    Some(calls) => calls.push(&text),
-                    None => vec![Piece::Content(text)],
-                };
+                let pieces = answer.stream(text);
                 answer.chunks(kind, index, pieces).into_iter().map(|c| chunk(vec![c], None)).collect()
             }
             Ok(Update::Finished { index, mut finish_reason, .. }) => {
                 let answer = answers.get(index);
-                let (mut pieces, made_calls) = answer.calls.as_mut().map(CallStream::finish).unwrap_or_default();
+                let (mut pieces, made_calls) = answer.finish();
                 if pieces.is_empty() && answer.logprobs.as_ref().is_some_and(|l| !l.is_empty()) {
                     // Tokens held back at the end (white space after a call): their log
                     // probabilities still go out, on an empty chunk.
-                    pieces.push(Piece::Content(String::new()));
+                    pieces.push(Out::Piece(Piece::Content(String::new())));
                 }
                 if made_calls {
                     finish_reason = "tool_calls".into();

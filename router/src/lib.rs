@@ -23,6 +23,7 @@ pub mod grpc;
 pub mod http;
 pub mod lifecycle;
 pub mod prefill;
+pub mod reasoning;
 pub mod record;
 pub mod relay;
 pub mod route;
@@ -57,6 +58,8 @@ pub struct Config {
     pub model: PathBuf,
     /// A chat template file used instead of the model's own (`--chat-template`).
     pub chat_template: Option<PathBuf>,
+    /// A thinking model's `<think>` block is returned as `reasoning_content` (`reasoning`).
+    pub separate_reasoning: bool,
     /// The name clients use in `model`.
     pub model_name: String,
     /// Empty: colocated serving (decode workers prefill every prompt themselves).
@@ -144,6 +147,7 @@ pub async fn run(
         metrics,
         draining: AtomicBool::new(false),
         log_content: config.log_content,
+        separate_reasoning: config.separate_reasoning,
     });
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let drain_state = state.clone();

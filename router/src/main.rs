@@ -110,6 +110,11 @@ struct Args {
     /// own, as vLLM's and SGLang's --chat-template: a tool-use or corrected template.
     #[arg(long, env = "PD_CHAT_TEMPLATE")]
     chat_template: Option<PathBuf>,
+    /// Thinking models' `<think>` blocks (templates that write them: Qwen3, SmolLM3,
+    /// DeepSeek-R1's distills): `think` returns the block as `reasoning_content` and the rest as
+    /// `content`, as vLLM's and SGLang's reasoning parsers; `none` leaves it in `content`.
+    #[arg(long, env = "PD_REASONING_PARSER", value_parser = ["think", "none"], default_value = "think")]
+    reasoning_parser: String,
     /// Name clients pass as `model`.
     #[arg(long, env = "PD_MODEL_NAME", default_value = "SmolLM2-135M-Instruct")]
     model_name: String,
@@ -144,6 +149,7 @@ async fn main() -> anyhow::Result<()> {
     let config = pd_router::Config {
         model: args.model,
         chat_template: args.chat_template,
+        separate_reasoning: args.reasoning_parser == "think",
         model_name: args.model_name,
         prefill_workers: args.prefill,
         decode_workers: args.decode,

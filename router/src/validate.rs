@@ -53,11 +53,13 @@ pub struct Turn {
     pub calls: Vec<PastCall>,
     /// A `tool` turn: the call it answers.
     pub call_id: Option<String>,
+    /// An assistant turn's reasoning (`reasoning_content`), for templates that read it.
+    pub reasoning: Option<String>,
 }
 
 impl Turn {
     pub fn new(role: Role, content: &str) -> Self {
-        Turn { role, content: content.to_string(), calls: Vec::new(), call_id: None }
+        Turn { role, content: content.to_string(), calls: Vec::new(), call_id: None, reasoning: None }
     }
 
     /// The turn for a template that renders tools itself: calls and call id as fields.
@@ -67,6 +69,7 @@ impl Turn {
             m.tool_calls = Some(self.calls.iter().map(PastCall::as_template_json).collect());
         }
         m.tool_call_id = self.call_id.clone();
+        m.reasoning_content = self.reasoning.clone();
         m
     }
 
@@ -83,7 +86,9 @@ impl Turn {
             }
             text.push_str(&crate::tools::call_text(format, &call.name, &call.arguments));
         }
-        ChatMessage::new(self.role.as_str(), &text)
+        let mut m = ChatMessage::new(self.role.as_str(), &text);
+        m.reasoning_content = self.reasoning.clone();
+        m
     }
 }
 
@@ -190,6 +195,9 @@ pub struct ValidRequest {
     /// Echo the prompt (and score it, with logprobs): served by a prefill worker alone
     /// (`score`), `max_tokens` 0 or 1, whole (not streamed), one answer.
     pub echo: bool,
+    /// A chat answer of a model whose template writes a `<think>` block: where the answer
+    /// starts (`reasoning`).
+    pub reasoning: Option<crate::reasoning::Start>,
 }
 
 /// Limits the router enforces.
@@ -232,7 +240,8 @@ pub fn validate(
     if let Some(tools) = p.tools.as_mut() {
         force_call(tools, &mut p.constraint, text)?;
     }
-    let (field, prompt_tokens) = tokenize(&p.input, p.tools.as_ref().filter(|t| t.active()), &p.template_kwargs, text)?;
+    let (field, prompt_tokens, reasoning) =
+        tokenize(&p.input, p.tools.as_ref().filter(|t| t.active()), &p.template_kwargs, text)?;
     let context = text.max_position;
     if prompt_tokens.len() >= context {
         let message = format!("the prompt has {} tokens; the context length is {context}", prompt_tokens.len());
@@ -279,7 +288,7 @@ pub fn validate(
     let (kind, stream, include_usage, user) = (p.kind, p.stream, p.include_usage, p.user);
     let tools = p.tools.filter(Tools::active).map(std::sync::Arc::new);
     let echo = p.echo;
-    Ok(ValidRequest { kind, model, prompt_tokens, params, stream, include_usage, user, tools, n, echo })
+    Ok(ValidRequest { kind, model, prompt_tokens, params, stream, include_usage, user, tools, n, echo, reasoning })
 }
 
 /// A random sampling seed (the operating system's generator).
@@ -376,13 +385,14 @@ fn check_sampling(p: &GenerateParams) -> Result<(), RouterError> {
     Ok(())
 }
 
-/// The prompt's tokens, and the field they came from.
+/// The prompt's tokens, the field they came from, and (chat) where a reasoning block starts.
 fn tokenize(
     input: &Input,
     tools: Option<&Tools>,
     kwargs: &Map<String, Value>,
     text: &TextSide,
-) -> Result<(&'static str, Vec<u32>), RouterError> {
+) -> Result<(&'static str, Vec<u32>, Option<crate::reasoning::Start>), RouterError> {
+    let mut reasoning = None;
     let (field, prompt) = match input {
         Input::Prompt(p) if p.is_empty() => return Err(RouterError::invalid("prompt", "`prompt` must not be empty")),
         Input::Prompt(p) => ("prompt", p.clone()),
@@ -398,15 +408,20 @@ fn tokenize(
                 let message = format!("token id {id} is outside the vocabulary of {vocab}");
                 return Err(RouterError::invalid(&format!("prompt[{i}]"), message));
             }
-            return Ok(("prompt", ids.clone()));
+            return Ok(("prompt", ids.clone(), None));
         }
-        Input::Messages(messages) => ("messages", render_chat(messages, tools, kwargs, text, true)?),
+        Input::Messages(messages) => {
+            let prompt = render_chat(messages, tools, kwargs, text, true)?;
+            let source = text.chat_template.as_ref().map_or("", |t| t.source());
+            reasoning = crate::reasoning::Start::of(source, &prompt);
+            ("messages", prompt)
+        }
     };
     let tokens = text.tokenizer.encode(&prompt).map_err(|e| RouterError::invalid(field, e.to_string()))?;
     if tokens.is_empty() {
         return Err(RouterError::invalid(field, format!("`{field}` gives no tokens")));
     }
-    Ok((field, tokens))
+    Ok((field, tokens, reasoning))
 }
 
 /// Chat messages (and tools) through the model's template (`generation_prompt`: ending with

@@ -160,6 +160,7 @@ async fn no_reachable_worker_is_503_and_not_ready() {
         let config = pd_router::Config {
             model: model_path(),
             chat_template: None,
+            separate_reasoning: true,
             model_name: "SmolLM2-135M-Instruct".into(),
             prefill_workers: Vec::new(),
             decode_workers: config_decode,

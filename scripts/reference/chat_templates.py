@@ -107,6 +107,17 @@ CASES = {
         TOOLS,
         True,
     ),
+    # A thinking model's tool loop: the assistant turn carries its reasoning back
+    # (`reasoning_content`, which Qwen3's template renders after the last user turn).
+    "reasoning_round_trip": (
+        [
+            {"role": "user", "content": "What's the weather in Paris?"},
+            {"role": "assistant", "content": "", "reasoning_content": "I need the weather tool.", "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "abc123XYZ", "content": '{"temperature": 18, "sky": "clear"}'},
+        ],
+        TOOLS,
+        True,
+    ),
     # Phi-4-mini's convention (its model card): the tools as json.dumps text in the system
     # message's own `tools` field; templates that do not read the field ignore it.
     "system_message_tools": (

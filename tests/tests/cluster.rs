@@ -380,7 +380,25 @@ async fn a_chat_template_given_to_the_router_serves_its_tool_calls() {
         ..Default::default()
     };
     let cluster = Cluster::start_with(options).await;
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients").join("template_tools.py");
+    run_client_script(&cluster, "template_tools.py").await;
+    cluster.wait_kv_free(Duration::from_secs(5)).await;
+}
+
+/// A thinking model's `<think>` block comes back as `reasoning_content`: the router serves
+/// Qwen3's template, and the `openai` client reads the block apart from the answer, whole and
+/// streamed (tests/clients/reasoning.py).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thinking_models_reasoning_comes_back_apart_from_its_answer() {
+    let template = concat!(env!("CARGO_MANIFEST_DIR"), "/../engine/tests/data/chat_templates/Qwen-Qwen3-0.6B.jinja");
+    let router_args = vec!["--chat-template".into(), template.into()];
+    let cluster = Cluster::start_with(pd_tests::Options { prefill: 1, router_args, ..Default::default() }).await;
+    run_client_script(&cluster, "reasoning.py").await;
+    cluster.wait_kv_free(Duration::from_secs(5)).await;
+}
+
+/// Runs tests/clients/`script` against `cluster`'s router; it must print `all passed`.
+async fn run_client_script(cluster: &Cluster, script: &str) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients").join(script);
     let run = tokio::process::Command::new("python3")
         .arg(&path)
         .arg(format!("http://{}", cluster.http))
@@ -391,10 +409,9 @@ async fn a_chat_template_given_to_the_router_serves_its_tool_calls() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success() && stdout.contains("all passed"),
-        "template_tools.py:\n{stdout}\n{}",
+        "{script}:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    cluster.wait_kv_free(Duration::from_secs(5)).await;
 }
 
 /// The pid of the wrapper's child (the router) inside its own PID namespace.

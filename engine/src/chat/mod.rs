@@ -32,12 +32,16 @@ pub struct ChatMessage {
     /// that render them from the system message (Phi-4-mini's `<|tool|>...<|/tool|>`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tools: Option<String>,
+    /// An assistant turn's reasoning (`reasoning_content`), which thinking models' templates
+    /// read (Qwen3's renders it in a `<think>` block after the last user turn).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: &str, content: &str) -> Self {
         let (role, content) = (role.to_string(), content.to_string());
-        ChatMessage { role, content, tool_calls: None, tool_call_id: None, tools: None }
+        ChatMessage { role, content, tool_calls: None, tool_call_id: None, tools: None, reasoning_content: None }
     }
 }
 

@@ -110,6 +110,9 @@ pub struct Message {
     pub tool_calls: Option<Vec<ToolCallIn>>,
     /// A `tool` message answers this call.
     pub tool_call_id: Option<String>,
+    /// An assistant turn's reasoning, as this server returned it (`reasoning_content`):
+    /// passed to templates that read it (Qwen3's keeps it after the last user turn).
+    pub reasoning_content: Option<String>,
 }
 
 /// A tool call in an earlier assistant turn.
@@ -199,7 +202,10 @@ impl Message {
             .into_iter()
             .map(|c| PastCall { id: c.id, name: c.function.name, arguments: c.function.arguments })
             .collect();
-        Ok(Turn { role: self.role, content, calls, call_id: self.tool_call_id })
+        if self.reasoning_content.is_some() && self.role != Role::Assistant {
+            return Err(RouterError::invalid(&field("reasoning_content"), "only assistant messages carry reasoning"));
+        }
+        Ok(Turn { role: self.role, content, calls, call_id: self.tool_call_id, reasoning: self.reasoning_content })
     }
 }
 

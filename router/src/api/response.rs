@@ -35,6 +35,9 @@ pub struct AssistantMessage {
     pub role: &'static str,
     /// Null when the answer is only tool calls.
     pub content: Option<String>,
+    /// A thinking model's `<think>` block (`crate::reasoning`), as vLLM and SGLang return it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCall>>,
 }
@@ -133,6 +136,8 @@ pub struct Delta {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
@@ -189,8 +194,16 @@ impl Choice {
     /// A chat answer that called tools: the text before the calls (if any) and the calls.
     pub fn with_tool_calls(content: String, calls: Vec<ToolCall>, logprobs: Option<Logprobs>) -> Self {
         let content = Some(content).filter(|c| !c.trim().is_empty());
-        let message = AssistantMessage { role: "assistant", content, tool_calls: Some(calls) };
+        let message = AssistantMessage { role: "assistant", content, reasoning_content: None, tool_calls: Some(calls) };
         Choice::Message { index: 0, message, finish_reason: "tool_calls".into(), logprobs }
+    }
+
+    /// This chat choice with the answer's reasoning block.
+    pub fn with_reasoning(mut self, reasoning: Option<String>) -> Self {
+        if let Choice::Message { message, .. } = &mut self {
+            message.reasoning_content = reasoning;
+        }
+        self
     }
 
     /// The one choice of a finished generation.
@@ -199,7 +212,12 @@ impl Choice {
             Kind::Completion => Choice::Text { index: 0, text, finish_reason, logprobs },
             Kind::Chat => Choice::Message {
                 index: 0,
-                message: AssistantMessage { role: "assistant", content: Some(text), tool_calls: None },
+                message: AssistantMessage {
+                    role: "assistant",
+                    content: Some(text),
+                    reasoning_content: None,
+                    tool_calls: None,
+                },
                 finish_reason,
                 logprobs,
             },
@@ -223,7 +241,7 @@ impl ChunkChoice {
             Kind::Completion => ChunkChoice::Text { index: 0, text, finish_reason: None, logprobs },
             Kind::Chat => ChunkChoice::Delta {
                 index: 0,
-                delta: Delta { role: first.then_some("assistant"), content: Some(text), tool_calls: None },
+                delta: Delta { role: first.then_some("assistant"), content: Some(text), ..Delta::default() },
                 finish_reason: None,
                 logprobs,
             },
@@ -232,7 +250,13 @@ impl ChunkChoice {
 
     /// A chat chunk carrying a piece of a tool call.
     pub fn tool_call(call: ToolCallDelta, first: bool, logprobs: Option<Logprobs>) -> Self {
-        let delta = Delta { role: first.then_some("assistant"), content: None, tool_calls: Some(vec![call]) };
+        let delta = Delta { role: first.then_some("assistant"), tool_calls: Some(vec![call]), ..Delta::default() };
+        ChunkChoice::Delta { index: 0, delta, finish_reason: None, logprobs }
+    }
+
+    /// A chat chunk carrying a piece of the reasoning block.
+    pub fn reasoning(text: String, first: bool, logprobs: Option<Logprobs>) -> Self {
+        let delta = Delta { role: first.then_some("assistant"), reasoning_content: Some(text), ..Delta::default() };
         ChunkChoice::Delta { index: 0, delta, finish_reason: None, logprobs }
     }
 

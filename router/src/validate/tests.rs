@@ -313,3 +313,22 @@ fn chat_template_kwargs_reach_the_template_qwen3_thinking_off() {
     assert!(plain.ends_with("<|im_start|>assistant\n"), "{plain}");
     assert_eq!(thinking_off, format!("{plain}<think>\n\n</think>\n\n"));
 }
+
+#[test]
+fn an_assistant_turns_reasoning_reaches_a_template_that_reads_it() {
+    use crate::tools::PastCall;
+    let source = include_str!("../../../engine/tests/data/chat_templates/Qwen-Qwen3-0.6B.jinja");
+    let text = templated(pd_engine::ChatTemplate::new(source, "", "<|im_end|>").expect("compiles"));
+    // Qwen3's template keeps the reasoning of the turns after the last user message (a tool
+    // loop), as the model wrote it.
+    let mut thought = Turn::new(Role::Assistant, "");
+    thought.reasoning = Some("I need the weather tool.".into());
+    thought.calls.push(PastCall { id: None, name: "get_weather".into(), arguments: r#"{"city":"Paris"}"#.into() });
+    let turns = vec![
+        Turn::new(Role::User, "Weather in Paris?"),
+        thought,
+        Turn { call_id: Some("c1".into()), ..Turn::new(Role::Tool, "sunny") },
+    ];
+    let rendered = render_chat(&turns, None, &serde_json::Map::new(), &text, true).expect("renders");
+    assert!(rendered.contains("<think>\nI need the weather tool.\n</think>"), "{rendered}");
+}

@@ -273,6 +273,7 @@ pub async fn start_router_config(
     let mut config = pd_router::Config {
         model: model_path(),
         chat_template: None,
+        separate_reasoning: true,
         model_name: "SmolLM2-135M-Instruct".into(),
         prefill_workers: prefill,
         decode_workers: decode,
