@@ -250,15 +250,12 @@ fn decode_on_cpu(
         return Err(EngineError::InvalidBatch("CPU attention on a non-CPU cache".into()));
     };
     let rows = DecodeRows { q_all: &q_all, plans, which, heads };
+    // The layer's own rows: its K and V are views into every layer's storage.
+    let k_range = k_layout.start_offset()..k_layout.start_offset() + k_cache.elem_count();
+    let v_range = v_layout.start_offset()..v_layout.start_offset() + v_cache.elem_count();
     match k_cache.dtype() {
-        DType::F32 => Ok(rows.run(
-            &k_cpu.as_slice::<f32>()?[k_layout.start_offset()..],
-            &v_cpu.as_slice::<f32>()?[v_layout.start_offset()..],
-        )),
-        DType::F16 => Ok(rows.run(
-            &k_cpu.as_slice::<f16>()?[k_layout.start_offset()..],
-            &v_cpu.as_slice::<f16>()?[v_layout.start_offset()..],
-        )),
+        DType::F32 => Ok(rows.run(&k_cpu.as_slice::<f32>()?[k_range], &v_cpu.as_slice::<f32>()?[v_range])),
+        DType::F16 => Ok(rows.run(&k_cpu.as_slice::<f16>()?[k_range], &v_cpu.as_slice::<f16>()?[v_range])),
         other => Err(EngineError::InvalidBatch(format!("no decode attention over a {other:?} cache"))),
     }
 }

@@ -173,7 +173,13 @@ impl WqWeight {
         }
         let nibbles = parts.iter().all(|p| p.dtype() == GgmlDType::Q4_1);
         let any_min = parts.iter().any(|p| p.dtype() == GgmlDType::Q4_1);
-        let (mut b4, mut b8, mut scales, mut mins) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        // Exact sizes up front: vectors grown by pushing end up to twice the size they hold,
+        // over pages the load's freed buffers had already made resident.
+        let total: usize = parts.iter().map(|p| p.shape().elem_count() / QK).sum();
+        let (mut b4, mut b8) =
+            if nibbles { (Vec::with_capacity(total), Vec::new()) } else { (Vec::new(), Vec::with_capacity(total)) };
+        let mut scales = Vec::with_capacity(total);
+        let mut mins = Vec::with_capacity(if any_min { total } else { 0 });
         let mut n = 0;
         for part in parts {
             let dims = part.shape().dims();
@@ -207,7 +213,9 @@ impl WqWeight {
                     _ => {
                         b8.push(Block8 { q: std::array::from_fn(|j| b[2 + j] as i8) });
                         scales.push(f16_at(b, 0));
-                        mins.push(f16::ZERO);
+                        if any_min {
+                            mins.push(f16::ZERO);
+                        }
                     }
                 }
             }

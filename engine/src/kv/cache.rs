@@ -18,7 +18,8 @@ use crate::error::{EngineError, Result};
 /// K and V storage for every layer.
 #[derive(Debug)]
 pub struct KvCache {
-    /// (K, V) per layer, each `[num_slots, kv_width]` of `dtype`.
+    /// (K, V) per layer, each `[num_slots, kv_width]` of `dtype`: views into one K and one V
+    /// tensor of every layer's rows.
     layers: Vec<(Tensor, Tensor)>,
     dtype: DType,
     block_size: usize,
@@ -36,10 +37,15 @@ impl KvCache {
         let slots = config.num_blocks * config.block_size;
         let kv_width = model.kv_width();
         let dtype = config.dtype.dtype();
+        // One K and one V allocation for all layers, each layer's tensor a view of its rows.
+        // A tensor per layer and kind rounded every one of them up to whole transparent huge
+        // pages (2 MiB, which mimalloc asks the kernel for): 110 MiB over a 1,010 MiB pool of
+        // 56 tensors. K and V stay apart so that reading a layer's K and V at once takes two
+        // locks, never one twice.
+        let all = || Tensor::zeros((model.num_layers * slots, kv_width), dtype, device);
+        let (k_all, v_all) = (all()?, all()?);
         let layers = (0..model.num_layers)
-            .map(|_| {
-                Ok((Tensor::zeros((slots, kv_width), dtype, device)?, Tensor::zeros((slots, kv_width), dtype, device)?))
-            })
+            .map(|l| Ok((k_all.narrow(0, l * slots, slots)?, v_all.narrow(0, l * slots, slots)?)))
             .collect::<Result<Vec<_>>>()?;
         Ok(KvCache {
             layers,

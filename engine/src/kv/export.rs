@@ -416,6 +416,8 @@ mod tests {
         source.write(1, &Tensor::from_vec(index, (slots, 4), &dev)?, &k, &v)?;
         let payload = read_blocks(&source, 1, &[4, 1], WireDType::F32)?;
         assert_eq!(payload.len(), 2 * 2 * 2 * 4 * 4);
+        // The layers are views of one K and one V tensor: writing layer 1 left layer 0 alone.
+        assert_eq!(read_blocks(&source, 0, &[4, 1], WireDType::F32)?, vec![0u8; payload.len()]);
         let target = KvCache::new(&model, &config, &dev)?;
         write_blocks(&target, 1, &[0, 5], WireDType::F32, &payload)?;
         assert_eq!(read_blocks(&target, 1, &[0, 5], WireDType::F32)?, payload);
