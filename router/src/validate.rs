@@ -288,6 +288,9 @@ pub fn validate(
     let (kind, stream, include_usage, user) = (p.kind, p.stream, p.include_usage, p.user);
     let tools = p.tools.filter(Tools::active).map(std::sync::Arc::new);
     let echo = p.echo;
+    // A constrained answer is what its grammar writes: one that the prompt put inside a
+    // reasoning block (DeepSeek-R1's template) would otherwise read as all reasoning.
+    let reasoning = reasoning.filter(|&s| s == crate::reasoning::Start::Outside || params.constraint.is_none());
     Ok(ValidRequest { kind, model, prompt_tokens, params, stream, include_usage, user, tools, n, echo, reasoning })
 }
 

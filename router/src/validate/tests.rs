@@ -332,3 +332,27 @@ fn an_assistant_turns_reasoning_reaches_a_template_that_reads_it() {
     let rendered = render_chat(&turns, None, &serde_json::Map::new(), &text, true).expect("renders");
     assert!(rendered.contains("<think>\nI need the weather tool.\n</think>"), "{rendered}");
 }
+
+#[test]
+fn a_prompt_that_opens_a_reasoning_block_starts_the_answer_inside_it_unless_a_grammar_writes_it() {
+    use crate::reasoning::Start;
+    // DeepSeek-R1's way: the generation prompt opens the block; the template drops `</think>`
+    // blocks from the history, so it mentions the closing tag.
+    let source =
+        "{% for m in messages %}{% set c = m.content.split('</think>')[-1] %}<|{{ m.role }}|>{{ c }}{% endfor %}\
+                  {% if add_generation_prompt %}<|assistant|><think>\n{% endif %}";
+    let text = templated(pd_engine::ChatTemplate::new(source, "", "").expect("compiles"));
+    let chat = || {
+        let mut p = completion("x");
+        p.kind = Kind::Chat;
+        p.input = Input::Messages(vec![Turn::new(Role::User, "Hi")]);
+        p
+    };
+    assert_eq!(validate(chat(), &text, "m", &LIMITS).expect("valid").reasoning, Some(Start::Inside));
+    let mut constrained = chat();
+    constrained.constraint = Some((OutputConstraint::Lark("start: \"Hi\"".into()), "guided_grammar"));
+    assert_eq!(validate(constrained, &text, "m", &LIMITS).expect("valid").reasoning, None);
+    let mut plain = completion("x");
+    plain.kind = Kind::Completion;
+    assert_eq!(validate(plain, &text, "m", &LIMITS).expect("valid").reasoning, None, "completions are text");
+}
