@@ -351,18 +351,8 @@ async fn two_routers_in_their_own_pid_namespaces_share_the_workers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_libraries_get_what_they_ask_for() {
     let cluster = Cluster::start(1).await;
-    let base = format!("http://{}", cluster.http);
     for script in ["openai_features.py", "instructor_agent.py"] {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients").join(script);
-        let run = tokio::process::Command::new("python3").arg(&path).arg(&base).kill_on_drop(true).output();
-        let out = tokio::time::timeout(Duration::from_secs(300), run).await.expect("the client script timed out");
-        let out = out.expect("python3 runs (scripts/install-clients.sh installs the client libraries)");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && stdout.contains("all passed"),
-            "{script}:\n{stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        run_client_script(&cluster, script).await;
     }
     cluster.wait_kv_free(Duration::from_secs(5)).await;
 }

@@ -425,4 +425,4 @@ impl<R> State<R> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;

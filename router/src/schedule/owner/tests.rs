@@ -10,28 +10,15 @@ use super::*;
 use crate::schedule::{ScheduleConfig, Scheduler};
 use crate::workers::{Pool, Pools};
 
-const CLASSES: &str = r#"
-default = "interactive"
-[classes.interactive]
-priority = 10
-max_input_tokens = 4096
-max_output_tokens = 1024
-ttft_slo_ms = 1500
-itl_slo_ms = 100
-max_queued_tokens = 16384
-max_queue_age_ms = 3000
-"#;
-
-fn classes() -> Classes {
-    Classes::parse(CLASSES).expect("classes")
-}
+use crate::schedule::state::tests::{class, classes};
 
 fn interactive() -> Arc<Class> {
-    classes().all()[0].clone()
+    class("interactive")
 }
 
+/// A 32-token prompt (two blocks of 16), distinct per `salt`.
 fn prompt(salt: u32) -> Arc<Prompt> {
-    Arc::new(Prompt::new((0..32).map(|t| t * 7 + salt * 100_003).collect()))
+    crate::schedule::state::tests::prompt(32, salt)
 }
 
 /// One decode worker with room for `batch` sequences, one prefill worker.
@@ -87,7 +74,7 @@ fn pump(owner: &mut Owner, inbox: &mut mpsc::UnboundedReceiver<Event>, now: Inst
 }
 
 fn queued(owner: &Owner) -> usize {
-    owner.state.queued_per_class()[0]
+    owner.state.queued_per_class()[interactive().index]
 }
 
 #[test]
@@ -177,7 +164,7 @@ fn a_submission_sees_the_grants_that_the_events_before_it_allowed() {
     let (tx, mut answer) = oneshot::channel();
     o.apply(
         Event::Ask(Box::new(move |s: &State<Reply>| {
-            let _ = tx.send(s.queued_per_class()[0]);
+            let _ = tx.send(s.queued_per_class()[interactive().index]);
         })),
         t0,
     );
@@ -204,7 +191,7 @@ async fn through_the_handle_a_refusal_an_admission_and_a_withdrawal() {
     let waiting = scheduler.submit(&class, prompt(3), 16);
     let queued = |s: &Arc<Scheduler>| {
         let s = s.clone();
-        async move { s.ask(|st| st.queued_per_class()[0]).await }
+        async move { s.ask(|st| st.queued_per_class()[interactive().index]).await }
     };
     tokio::task::yield_now().await;
     drop(waiting);

@@ -22,11 +22,11 @@ max_queued_tokens = 1000000
 max_queue_age_ms = 600000
 "#;
 
-fn classes() -> Classes {
+pub(crate) fn classes() -> Classes {
     Classes::parse(CLASSES).expect("classes")
 }
 
-fn class(name: &str) -> Arc<Class> {
+pub(crate) fn class(name: &str) -> Arc<Class> {
     classes().all().iter().find(|c| c.name == name).expect("a class of that name").clone()
 }
 
@@ -38,7 +38,7 @@ fn prefill(slots: u32, tokens_per_s: f64) -> pb::PrefillLoad {
     pb::PrefillLoad { max_partial_prefills: slots, prefill_tokens_per_s: tokens_per_s, ..Default::default() }
 }
 
-fn prompt(tokens: usize, salt: u32) -> Arc<Prompt> {
+pub(crate) fn prompt(tokens: usize, salt: u32) -> Arc<Prompt> {
     Arc::new(Prompt::new((0..tokens as u32).map(|t| t * 7 + salt * 100_003).collect()))
 }
 
