@@ -37,6 +37,9 @@ pub enum TransferError {
     /// The peer aborted the transfer.
     #[error("aborted by the peer: {0}")]
     Aborted(String),
+    /// Another sender took the transfer over; this one's messages are refused.
+    #[error("transfer `{0}` was taken over by a newer sender")]
+    Superseded(String),
     /// Messages out of protocol order, or a malformed message.
     #[error("protocol error: {0}")]
     Protocol(String),
@@ -66,6 +69,7 @@ impl TransferError {
             TransferError::DuplicateFrame { .. } => "duplicate_frame",
             TransferError::Incomplete(_) => "incomplete",
             TransferError::Aborted(_) => "aborted",
+            TransferError::Superseded(_) => "superseded",
             TransferError::Protocol(_) => "protocol",
             TransferError::Sink(_) => "sink",
             TransferError::Timeout(..) => "timeout",
@@ -80,6 +84,7 @@ impl TransferError {
             "unknown_transfer" => TransferError::UnknownTransfer(reason),
             "lease_expired" => TransferError::LeaseExpired(reason),
             "incomplete" => TransferError::Incomplete(reason),
+            "superseded" => TransferError::Superseded(reason),
             other => TransferError::Protocol(format!("refused ({other}): {reason}")),
         }
     }
@@ -99,7 +104,7 @@ impl TransferError {
             | TransferError::Protocol(_) => Code::InvalidArgument,
             TransferError::ChecksumMismatch { .. } => Code::DataLoss,
             TransferError::Incomplete(_) => Code::FailedPrecondition,
-            TransferError::Aborted(_) => Code::Aborted,
+            TransferError::Aborted(_) | TransferError::Superseded(_) => Code::Aborted,
             TransferError::Sink(_) => Code::Internal,
             TransferError::Timeout(..) => Code::DeadlineExceeded,
             TransferError::Transport(_) => Code::Unavailable,

@@ -30,7 +30,7 @@ use std::future::Future;
 use pd_proto::v1 as pb;
 
 pub use error::TransferError;
-pub use receiver::{CommittedKv, KvRegistry, KvSink, MemorySink, Outcome, Reservation};
+pub use receiver::{CommittedKv, KvRegistry, KvSink, MemorySink, Outcome, Reservation, SenderId};
 pub use wire::{frame_runs, Frame, KvGeometry, TransferHeader, MAX_FRAME_BYTES};
 
 /// A commit without log probabilities: the first token and the prompt length.

@@ -14,11 +14,18 @@
 //! - If a sender's stream ends without commit or abort, the reservation returns to waiting
 //!   (what arrived is forgotten) so a retry from another sender can fill it while the lease
 //!   holds; when the lease ends it fails and frees the blocks.
+//! - The newest sender wins. A header for a transfer that another stream holds open takes
+//!   it over (what arrived is forgotten): the router retries on another prefill worker only
+//!   after it gave up on the first, and this side may not have seen the first one's stream
+//!   end yet (a killed process's connection closes when the kernel says so). Every later
+//!   message of the older stream is refused as `superseded`, which fails that stream only:
+//!   two senders' data never mix, and a stale sender cannot end the transfer.
 //!
 //! Lock order: a reservation's lock may be held while taking the registry map's lock, never
 //! the other way round.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -72,6 +79,12 @@ pub struct CommittedKv {
 /// How a reservation ended.
 pub type Outcome = Result<CommittedKv, TransferError>;
 
+/// The stream whose header a reservation accepted: `open` hands it out, and that stream's
+/// frames, commit, abort and end name it, so a stream that was taken over cannot touch the
+/// transfer any more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SenderId(u64);
+
 #[derive(Debug)]
 struct Entry {
     geometry: KvGeometry,
@@ -80,8 +93,8 @@ struct Entry {
     blocks: Option<BlockAllocation>,
     num_tokens: u32,
     deadline: Instant,
-    /// A sender's header was accepted and its stream is live.
-    open: bool,
+    /// The sender whose header was accepted and whose stream is live.
+    sender: Option<SenderId>,
     opened_at: Option<Instant>,
     /// received[layer * blocks + block]
     received: Vec<bool>,
@@ -94,7 +107,7 @@ struct Entry {
 
 impl Entry {
     fn reset(&mut self) {
-        self.open = false;
+        self.sender = None;
         self.opened_at = None;
         self.received.iter_mut().for_each(|r| *r = false);
         self.missing = self.received.len();
@@ -107,6 +120,7 @@ impl Entry {
 pub struct KvRegistry {
     entries: Mutex<HashMap<String, Arc<Mutex<Entry>>>>,
     sink: Arc<dyn KvSink>,
+    next_sender: AtomicU64,
 }
 
 impl std::fmt::Debug for KvRegistry {
@@ -122,7 +136,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl KvRegistry {
     pub fn new(sink: Arc<dyn KvSink>) -> Arc<Self> {
-        Arc::new(KvRegistry { entries: Mutex::new(HashMap::new()), sink })
+        Arc::new(KvRegistry { entries: Mutex::new(HashMap::new()), sink, next_sender: AtomicU64::new(0) })
     }
 
     /// Reservations not yet committed or failed.
@@ -154,7 +168,7 @@ impl KvRegistry {
             blocks: Some(r.blocks),
             num_tokens: r.num_tokens,
             deadline: Instant::now() + r.lease,
-            open: false,
+            sender: None,
             opened_at: None,
             received: vec![false; slots],
             missing: slots,
@@ -185,32 +199,24 @@ impl KvRegistry {
         err
     }
 
-    /// Runs `f` on a live, unexpired entry; any error it returns fails the transfer.
+    /// Runs `f` on a live, unexpired entry; any error it returns fails the transfer. With
+    /// `sender`, the entry must still be that sender's: a superseded stream is refused and the
+    /// transfer goes on.
     fn with_entry<T>(
         &self,
         id: &str,
+        sender: Option<SenderId>,
         f: impl FnOnce(&mut Entry) -> Result<T, TransferError>,
     ) -> Result<T, TransferError> {
         let arc = self.get(id)?;
         let mut entry = lock(&arc);
-        if entry.blocks.is_none() {
-            return Err(TransferError::UnknownTransfer(id.to_string()));
-        }
-        if Instant::now() > entry.deadline {
-            return Err(self.fail_locked(id, &mut entry, TransferError::LeaseExpired(id.to_string())));
-        }
-        match f(&mut entry) {
-            Ok(v) => Ok(v),
-            Err(e) => Err(self.fail_locked(id, &mut entry, e)),
-        }
+        self.with_entry_checks(id, sender, &mut entry, f)
     }
 
-    /// Accepts a sender's header if it matches the reservation exactly.
-    pub fn open(&self, header: &TransferHeader) -> Result<(), TransferError> {
-        self.with_entry(&header.transfer_id, |e| {
-            if e.open {
-                return Err(TransferError::Protocol("a sender is already streaming this transfer".into()));
-            }
+    /// Accepts a sender's header if it matches the reservation exactly; a stream that held the
+    /// transfer open is superseded (see the module notes).
+    pub fn open(&self, header: &TransferHeader) -> Result<SenderId, TransferError> {
+        self.with_entry(&header.transfer_id, None, |e| {
             header.geometry.check_matches(&e.geometry)?;
             if header.block_ids != e.block_ids {
                 return Err(TransferError::Incompatible(format!(
@@ -225,24 +231,22 @@ impl KvRegistry {
                 )));
             }
             e.reset();
-            e.open = true;
+            let sender = SenderId(self.next_sender.fetch_add(1, Ordering::Relaxed));
+            e.sender = Some(sender);
             e.opened_at = Some(Instant::now());
             e.trace_context = header.trace_context.clone();
-            Ok(())
+            Ok(sender)
         })
     }
 
     /// Checks a frame against the reservation and writes it into the destination blocks.
-    pub fn apply_frame(&self, id: &str, frame: &Frame) -> Result<(), TransferError> {
-        self.apply_frame_view(id, frame.view())
+    pub fn apply_frame(&self, id: &str, sender: SenderId, frame: &Frame) -> Result<(), TransferError> {
+        self.apply_frame_view(id, sender, frame.view())
     }
 
     /// `apply_frame` for a frame whose data is borrowed from a receive buffer.
-    pub fn apply_frame_view(&self, id: &str, frame: FrameView<'_>) -> Result<(), TransferError> {
-        self.with_entry(id, |e| {
-            if !e.open {
-                return Err(TransferError::Protocol("frame before the header was accepted".into()));
-            }
+    pub fn apply_frame_view(&self, id: &str, sender: SenderId, frame: FrameView<'_>) -> Result<(), TransferError> {
+        self.with_entry(id, Some(sender), |e| {
             let g = e.geometry;
             if frame.layer >= g.num_layers {
                 return Err(TransferError::LayerOutOfRange { layer: frame.layer, layers: g.num_layers });
@@ -283,14 +287,11 @@ impl KvRegistry {
 
     /// Completes a transfer whose every (layer, block) arrived; hands the blocks to the waiter.
     /// Returns (bytes, frames) received.
-    pub fn commit(&self, id: &str, commit: pb::KvCommit) -> Result<(u64, u32), TransferError> {
+    pub fn commit(&self, id: &str, sender: SenderId, commit: pb::KvCommit) -> Result<(u64, u32), TransferError> {
         let pb::KvCommit { first_token, prompt_tokens, first_logprobs } = commit;
         let arc = self.get(id)?;
         let mut entry = lock(&arc);
-        let checked = self.with_entry_checks(id, &mut entry, |e| {
-            if !e.open {
-                return Err(TransferError::Protocol("commit before the header was accepted".into()));
-            }
+        let checked = self.with_entry_checks(id, Some(sender), &mut entry, |e| {
             if e.missing > 0 {
                 return Err(TransferError::Incomplete(format!(
                     "{} of {} (layer, block) pieces never arrived",
@@ -327,51 +328,71 @@ impl KvRegistry {
         Ok((bytes, frames))
     }
 
-    fn with_entry_checks(
+    fn with_entry_checks<T>(
         &self,
         id: &str,
+        sender: Option<SenderId>,
         entry: &mut Entry,
-        f: impl FnOnce(&mut Entry) -> Result<(), TransferError>,
-    ) -> Result<(), TransferError> {
+        f: impl FnOnce(&mut Entry) -> Result<T, TransferError>,
+    ) -> Result<T, TransferError> {
         if entry.blocks.is_none() {
             return Err(TransferError::UnknownTransfer(id.to_string()));
         }
         if Instant::now() > entry.deadline {
             return Err(self.fail_locked(id, entry, TransferError::LeaseExpired(id.to_string())));
         }
+        if let Some(sender) = sender {
+            if entry.sender != Some(sender) {
+                return Err(TransferError::Superseded(id.to_string()));
+            }
+        }
         f(entry).map_err(|e| self.fail_locked(id, entry, e))
     }
 
-    /// Ends a transfer on the sender's (or anyone's) request; frees the blocks.
+    /// Ends a transfer on the receiving side's own account (its client left, shutdown); frees
+    /// the blocks.
     pub fn abort(&self, id: &str, reason: &str) -> Result<(), TransferError> {
+        self.end(id, None, TransferError::Aborted(reason.to_string())).map(|_| ())
+    }
+
+    /// Ends a transfer at its sender's request; a superseded sender's abort is refused.
+    pub fn sender_abort(&self, id: &str, sender: SenderId, reason: &str) -> Result<(), TransferError> {
+        self.end(id, Some(sender), TransferError::Aborted(reason.to_string())).map(|_| ())
+    }
+
+    /// Fails a reservation with `err` (a header that could not even be decoded, a message out of
+    /// order); with `sender`, only while that sender holds it. Returns the error to report.
+    pub fn reject(&self, id: &str, sender: Option<SenderId>, err: TransferError) -> TransferError {
+        match self.end(id, sender, err.clone()) {
+            Ok(err) | Err(err @ TransferError::Superseded(_)) => err,
+            Err(_) => err, // already ended: the caller's own error says more
+        }
+    }
+
+    /// Fails the live entry `id` with `err` (returned), unless it has ended or, with `sender`,
+    /// another sender holds it.
+    fn end(&self, id: &str, sender: Option<SenderId>, err: TransferError) -> Result<TransferError, TransferError> {
         let arc = self.get(id)?;
         let mut entry = lock(&arc);
         if entry.blocks.is_none() {
             return Err(TransferError::UnknownTransfer(id.to_string()));
         }
-        self.fail_locked(id, &mut entry, TransferError::Aborted(reason.to_string()));
-        Ok(())
-    }
-
-    /// Fails a reservation with `err` (e.g. a header that could not even be decoded).
-    pub fn reject(&self, id: &str, err: TransferError) -> TransferError {
-        match self.get(id) {
-            Ok(arc) => {
-                let mut entry = lock(&arc);
-                if entry.blocks.is_none() {
-                    return err;
-                }
-                self.fail_locked(id, &mut entry, err)
+        if let Some(sender) = sender {
+            if entry.sender != Some(sender) {
+                return Err(TransferError::Superseded(id.to_string()));
             }
-            Err(_) => err,
         }
+        Ok(self.fail_locked(id, &mut entry, err))
     }
 
     /// The sender's stream ended without commit or abort: forget what arrived and wait for a
-    /// retry until the lease ends.
-    pub fn detach(&self, id: &str) {
+    /// retry until the lease ends. Nothing happens if another sender took the transfer over.
+    pub fn detach(&self, id: &str, sender: SenderId) {
         if let Ok(arc) = self.get(id) {
-            lock(&arc).reset();
+            let mut entry = lock(&arc);
+            if entry.sender == Some(sender) {
+                entry.reset();
+            }
         }
     }
 

@@ -90,9 +90,12 @@ proptest! {
     ) {
         let r = Receiver::new(geometry(WireDType::F16, 2), 8);
         let (header, mut outcome) = r.reserve("t", TOKENS, LEASE);
+        // Every sender the registry accepted, oldest first: frames and commits come from the
+        // newest, aborts from the oldest (superseded once a second header was accepted).
+        let mut senders = Vec::new();
         if opened {
             // Mostly a well-opened transfer, so frames and commits reach the deeper checks.
-            r.registry.open(&header).expect("the true header opens");
+            senders.push(r.registry.open(&header).expect("the true header opens"));
         }
         let mut committed = None;
         for op in ops {
@@ -104,7 +107,7 @@ proptest! {
                     h.num_tokens = tokens.unwrap_or(h.num_tokens);
                     h.geometry.num_layers = layers.unwrap_or(h.geometry.num_layers);
                     h.geometry.block_size = size.unwrap_or(h.geometry.block_size);
-                    let _ = r.registry.open(&h);
+                    senders.extend(r.registry.open(&h));
                 }
                 Op::Frame { layer, first, count, len_delta, bad_checksum } => {
                     let g = header.geometry;
@@ -113,7 +116,8 @@ proptest! {
                     if bad_checksum {
                         frame.checksum ^= 1;
                     }
-                    if r.registry.apply_frame("t", &frame).is_ok() {
+                    let Some(&sender) = senders.last() else { continue };
+                    if r.registry.apply_frame("t", sender, &frame).is_ok() {
                         let fits = layer < g.num_layers
                             && count > 0
                             && (first + count) as usize <= header.block_ids.len()
@@ -123,10 +127,17 @@ proptest! {
                     }
                 }
                 Op::Commit { tokens } => {
-                    let _ = r.registry.commit("t", kv_commit(1, tokens));
+                    if let Some(&sender) = senders.last() {
+                        let _ = r.registry.commit("t", sender, kv_commit(1, tokens));
+                    }
                 }
                 Op::Abort => {
-                    let _ = r.registry.abort("t", "fuzz");
+                    if let (Some(&oldest), Some(&newest)) = (senders.first(), senders.last()) {
+                        let aborted = r.registry.sender_abort("t", oldest, "fuzz");
+                        if oldest != newest {
+                            prop_assert!(aborted.is_err(), "a superseded sender ended the transfer");
+                        }
+                    }
                 }
                 Op::Raw(bytes) => {
                     if let Ok(m) = pb::KvSenderMessage::decode(bytes.as_slice()) {
@@ -134,14 +145,18 @@ proptest! {
                         match m.message {
                             Some(M::Header(h)) => {
                                 if let Ok(h) = TransferHeader::from_pb(h) {
-                                    let _ = r.registry.open(&h);
+                                    senders.extend(r.registry.open(&h));
                                 }
                             }
                             Some(M::Frame(f)) => {
-                                let _ = r.registry.apply_frame("t", &Frame::from_pb(f));
+                                if let Some(&sender) = senders.last() {
+                                    let _ = r.registry.apply_frame("t", sender, &Frame::from_pb(f));
+                                }
                             }
                             Some(M::Commit(c)) => {
-                                let _ = r.registry.commit("t", kv_commit(c.first_token, c.prompt_tokens));
+                                if let Some(&sender) = senders.last() {
+                                    let _ = r.registry.commit("t", sender, kv_commit(c.first_token, c.prompt_tokens));
+                                }
                             }
                             Some(M::Abort(a)) => {
                                 let _ = r.registry.abort("t", &a.reason);

@@ -85,6 +85,17 @@ async fn sixteen_concurrent_transfers_do_not_mix() {
 }
 
 #[tokio::test]
+async fn a_newer_sender_takes_over_a_transfer_whose_first_stream_is_still_open() {
+    let r = Receiver::new(geometry(WireDType::F16, 2), 8);
+    let server = serve(&r).await;
+    let addr = server.local_addr().to_string();
+    let first = GrpcKvSender::connect(&addr, TIMEOUT).await.expect("connect");
+    let second = GrpcKvSender::connect(&addr, TIMEOUT).await.expect("connect");
+    common::a_newer_sender_takes_over(&r, &first, &second).await;
+    server.shutdown().await;
+}
+
+#[tokio::test]
 async fn refusals_reach_the_sender_with_their_reason() {
     let r = Receiver::new(geometry(WireDType::F16, 2), 16);
     let server = serve(&r).await;

@@ -58,6 +58,17 @@ async fn random_kv_arrives_bit_exact_over_tcp_and_shared_memory() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_sender_takes_over_a_transfer_whose_first_endpoint_is_still_open() {
+    for (_, config) in configs() {
+        let r = Receiver::new(geometry(WireDType::F16, 2), 8);
+        let (server, first) = connect(&r, &config).await;
+        let second = UcxKvSender::connect(server.local_addr(), config.clone(), TIMEOUT).await.expect("UCX connect");
+        common::a_newer_sender_takes_over(&r, &first, &second).await;
+        server.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixteen_concurrent_transfers_do_not_mix() {
     let r = Receiver::new(geometry(WireDType::F16, 3), 16 * 5);
     let (server, sender) = connect(&r, &UcxConfig::loopback_shared_memory()).await;

@@ -16,7 +16,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::{CONNECTION_WINDOW, FRAMES_IN_FLIGHT, MAX_MESSAGE, STREAM_WINDOW};
 use crate::error::TransferError;
-use crate::receiver::KvRegistry;
+use crate::receiver::{KvRegistry, SenderId};
 use crate::wire::{Frame, TransferHeader};
 
 /// The `pd.v1.KvTransfer` service over a registry.
@@ -42,31 +42,36 @@ fn refused(err: &TransferError) -> pb::KvReceiverMessage {
     }
 }
 
-/// Opens the transfer a header names: its id and the acceptance, or the refusal to send.
+/// Opens the transfer a header names: its id, this stream's sender id and the acceptance, or
+/// the refusal to send.
 fn open(
     registry: &KvRegistry,
     h: pb::KvTransferHeader,
-) -> Result<(String, pb::KvReceiverMessage), pb::KvReceiverMessage> {
+) -> Result<((String, SenderId), pb::KvReceiverMessage), pb::KvReceiverMessage> {
     let id = h.transfer_id.clone();
     match TransferHeader::from_pb(h).and_then(|header| registry.open(&header)) {
-        Ok(()) => {
+        Ok(sender) => {
             let accepted = pb::KvAccepted { max_frames_in_flight: FRAMES_IN_FLIGHT as u32 };
-            Ok((id, pb::KvReceiverMessage { message: Some(Reply::Accepted(accepted)) }))
+            Ok(((id, sender), pb::KvReceiverMessage { message: Some(Reply::Accepted(accepted)) }))
         }
-        Err(e) => Err(refused(&registry.reject(&id, e))),
+        Err(e) => Err(refused(&registry.reject(&id, None, e))),
     }
 }
 
 /// The refusal of a message out of protocol order (the transfer, if open, is rejected).
-fn unexpected(registry: &KvRegistry, message: Option<&Incoming>, id: Option<&str>) -> pb::KvReceiverMessage {
+fn unexpected(
+    registry: &KvRegistry,
+    message: Option<&Incoming>,
+    open: Option<&(String, SenderId)>,
+) -> pb::KvReceiverMessage {
     let what = match message {
         Some(Incoming::Header(_)) => "a second header",
         None => "an empty message",
         _ => "a frame, commit or abort before the header",
     };
     let err = TransferError::Protocol(format!("unexpected {what}"));
-    let err = match id {
-        Some(id) => registry.reject(id, err),
+    let err = match open {
+        Some((id, sender)) => registry.reject(id, Some(*sender), err),
         None => err,
     };
     refused(&err)
@@ -78,23 +83,23 @@ async fn serve_stream(
     mut inbound: Streaming<pb::KvSenderMessage>,
     out: mpsc::Sender<Result<pb::KvReceiverMessage, Status>>,
 ) {
-    let mut transfer_id: Option<String> = None;
+    let mut transfer: Option<(String, SenderId)> = None;
     loop {
         let message = match inbound.message().await {
             Ok(Some(m)) => m.message,
             // The sender went away without commit or abort: keep the blocks for a retry
             // until the lease ends.
             Ok(None) | Err(_) => {
-                if let Some(id) = &transfer_id {
-                    registry.detach(id);
+                if let Some((id, sender)) = &transfer {
+                    registry.detach(id, *sender);
                 }
                 return;
             }
         };
-        let reply = match (message, &transfer_id) {
+        let reply = match (message, &transfer) {
             (Some(Incoming::Header(h)), None) => match open(&registry, h) {
-                Ok((id, accepted)) => {
-                    transfer_id = Some(id);
+                Ok((opened, accepted)) => {
+                    transfer = Some(opened);
                     Some(accepted)
                 }
                 Err(refusal) => {
@@ -102,15 +107,15 @@ async fn serve_stream(
                     return;
                 }
             },
-            (Some(Incoming::Frame(f)), Some(id)) => match registry.apply_frame(id, &Frame::from_pb(f)) {
+            (Some(Incoming::Frame(f)), Some((id, sender))) => match registry.apply_frame(id, *sender, &Frame::from_pb(f)) {
                 Ok(()) => None,
                 Err(e) => {
                     let _ = out.send(Ok(refused(&e))).await;
                     return;
                 }
             },
-            (Some(Incoming::Commit(c)), Some(id)) => {
-                let reply = match registry.commit(id, c) {
+            (Some(Incoming::Commit(c)), Some((id, sender))) => {
+                let reply = match registry.commit(id, *sender, c) {
                     Ok((bytes, frames)) => {
                         pb::KvReceiverMessage { message: Some(Reply::Committed(pb::KvCommitted { bytes, frames })) }
                     }
@@ -119,19 +124,19 @@ async fn serve_stream(
                 let _ = out.send(Ok(reply)).await;
                 return;
             }
-            (Some(Incoming::Abort(a)), Some(id)) => {
-                let _ = registry.abort(id, &a.reason);
+            (Some(Incoming::Abort(a)), Some((id, sender))) => {
+                let _ = registry.sender_abort(id, *sender, &a.reason);
                 return;
             }
-            (other, id) => {
-                let _ = out.send(Ok(unexpected(&registry, other.as_ref(), id.as_deref()))).await;
+            (other, open) => {
+                let _ = out.send(Ok(unexpected(&registry, other.as_ref(), open.as_ref()))).await;
                 return;
             }
         };
         if let Some(reply) = reply {
             if out.send(Ok(reply)).await.is_err() {
-                if let Some(id) = &transfer_id {
-                    registry.detach(id);
+                if let Some((id, sender)) = &transfer {
+                    registry.detach(id, *sender);
                 }
                 return;
             }

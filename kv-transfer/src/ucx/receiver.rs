@@ -18,7 +18,7 @@ use pd_ucx_sys as sys;
 use super::worker::{check, sockaddr, status_error, Worker};
 use super::{envelope, UcxConfig, AM_TO_RECEIVER, AM_TO_SENDER};
 use crate::error::TransferError;
-use crate::receiver::KvRegistry;
+use crate::receiver::{KvRegistry, SenderId};
 use crate::wire::{FrameView, TransferHeader};
 
 /// State the UCX callbacks reach through their `arg` pointer; lives on the receiver thread.
@@ -27,8 +27,9 @@ struct Ctx {
     worker: sys::ucp_worker_h,
     /// Connection requests from the listener, accepted by the thread loop.
     pending: Vec<sys::ucp_conn_request_h>,
-    /// Live endpoints and the transfers each has open (to detach them if the sender dies).
-    eps: HashMap<usize, Vec<String>>,
+    /// Live endpoints and the transfers each has open, with the sender id the registry gave
+    /// each (to name it in later messages and to detach them if the sender dies).
+    eps: HashMap<usize, Vec<(String, SenderId)>>,
     /// Endpoints whose peer failed, closed by the thread loop.
     failed: Vec<sys::ucp_ep_h>,
     /// Replies to send after the current progress call.
@@ -52,18 +53,37 @@ impl Ctx {
 
     /// Handles one message from a sender (frames' data already in `data`).
     fn handle(&mut self, ep: sys::ucp_ep_h, id: String, message: Option<Incoming>, data: &[u8]) {
-        match message {
-            Some(Incoming::Header(h)) => match TransferHeader::from_pb(h).and_then(|h| self.registry.open(&h)) {
-                Ok(()) => {
-                    self.eps.entry(ep as usize).or_default().push(id.clone());
+        match (message, self.sender(ep, &id)) {
+            (Some(Incoming::Header(h)), _) => match TransferHeader::from_pb(h).and_then(|h| self.registry.open(&h)) {
+                Ok(sender) => {
+                    self.forget(ep, &id);
+                    self.eps.entry(ep as usize).or_default().push((id.clone(), sender));
                     self.reply(ep, &id, Reply::Accepted(pb::KvAccepted { max_frames_in_flight: 0 }));
                 }
                 Err(e) => {
-                    let e = self.registry.reject(&id, e);
+                    let e = self.registry.reject(&id, None, e);
                     self.refuse(ep, &id, &e);
                 }
             },
-            Some(Incoming::Frame(f)) => {
+            (None, sender) => {
+                let e = self.registry.reject(&id, sender, TransferError::Protocol("empty message".into()));
+                self.refuse(ep, &id, &e);
+            }
+            // Nothing of this endpoint's is open under `id` (never opened, or already ended):
+            // refused, and the transfer, which may be another sender's, is left alone.
+            (Some(_), None) => {
+                let e = TransferError::Protocol("a frame, commit or abort before the header".into());
+                self.refuse(ep, &id, &e);
+            }
+            (Some(message), Some(sender)) => self.handle_open(ep, id, sender, message, data),
+        }
+    }
+
+    /// Handles a frame, commit or abort of a transfer that `ep` opened as `sender`.
+    fn handle_open(&mut self, ep: sys::ucp_ep_h, id: String, sender: SenderId, message: Incoming, data: &[u8]) {
+        match message {
+            Incoming::Header(_) => {} // handled by `handle`
+            Incoming::Frame(f) => {
                 let view = FrameView {
                     layer: f.layer,
                     first_block: f.first_block,
@@ -71,28 +91,24 @@ impl Ctx {
                     checksum: f.checksum,
                     data,
                 };
-                if let Err(e) = self.registry.apply_frame_view(&id, view) {
+                if let Err(e) = self.registry.apply_frame_view(&id, sender, view) {
                     self.forget(ep, &id);
                     self.refuse(ep, &id, &e);
                 }
             }
-            Some(Incoming::Commit(c)) if self.arriving.get(&id).copied().unwrap_or(0) > 0 => {
+            Incoming::Commit(c) if self.arriving.get(&id).copied().unwrap_or(0) > 0 => {
                 self.deferred_commits.insert(id, (ep, c));
             }
-            Some(Incoming::Commit(c)) => {
+            Incoming::Commit(c) => {
                 self.forget(ep, &id);
-                match self.registry.commit(&id, c) {
+                match self.registry.commit(&id, sender, c) {
                     Ok((bytes, frames)) => self.reply(ep, &id, Reply::Committed(pb::KvCommitted { bytes, frames })),
                     Err(e) => self.refuse(ep, &id, &e),
                 }
             }
-            Some(Incoming::Abort(a)) => {
+            Incoming::Abort(a) => {
                 self.forget(ep, &id);
-                let _ = self.registry.abort(&id, &a.reason);
-            }
-            None => {
-                let e = self.registry.reject(&id, TransferError::Protocol("empty message".into()));
-                self.refuse(ep, &id, &e);
+                let _ = self.registry.sender_abort(&id, sender, &a.reason);
             }
         }
     }
@@ -116,8 +132,13 @@ impl Ctx {
 
     fn forget(&mut self, ep: sys::ucp_ep_h, id: &str) {
         if let Some(ids) = self.eps.get_mut(&(ep as usize)) {
-            ids.retain(|t| t != id);
+            ids.retain(|(t, _)| t != id);
         }
+    }
+
+    /// The sender id under which `ep` holds transfer `id` open.
+    fn sender(&self, ep: sys::ucp_ep_h, id: &str) -> Option<SenderId> {
+        self.eps.get(&(ep as usize))?.iter().find(|(t, _)| t == id).map(|&(_, sender)| sender)
     }
 }
 
@@ -161,7 +182,9 @@ unsafe extern "C" fn on_rndv_done(
         // The sender (or the link) failed mid-frame: like a closed stream, forget what arrived
         // and keep the blocks for a retry until the lease ends.
         let _ = status_error("receiving a frame", status);
-        ctx.registry.detach(&id);
+        if let Some(sender) = ctx.sender(ep, &id) {
+            ctx.registry.detach(&id, sender);
+        }
     }
     ctx.arrived(&id);
     if !request.is_null() {
@@ -219,7 +242,8 @@ unsafe extern "C" fn on_message(
     } else if sys::ucs_ptr_is_err(request) {
         // SAFETY: the receive never started; the box is ours again.
         staged = unsafe { Box::from_raw(user as *mut Staged) };
-        let e = ctx.registry.reject(&staged.id, TransferError::Transport("rendezvous receive failed".into()));
+        let sender = ctx.sender(ep, &staged.id);
+        let e = ctx.registry.reject(&staged.id, sender, TransferError::Transport("rendezvous receive failed".into()));
         ctx.refuse(ep, &staged.id, &e);
         ctx.arrived(&staged.id);
     }
@@ -358,8 +382,8 @@ fn round(worker: &Worker, ctx: &mut Ctx, ctx_ptr: *mut std::ffi::c_void) -> bool
         // UCX may report one endpoint more than once (also while closing it): close only
         // endpoints still known, once.
         let Some(ids) = ctx.eps.remove(&(ep as usize)) else { continue };
-        for id in ids {
-            ctx.registry.detach(&id); // the lease frees the blocks if no retry comes
+        for (id, sender) in ids {
+            ctx.registry.detach(&id, sender); // the lease frees the blocks if no retry comes
         }
         ctx.replies.retain(|(to, _)| *to != ep);
         worker.close_ep(ep);

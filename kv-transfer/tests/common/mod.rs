@@ -107,3 +107,29 @@ pub fn assert_landed(receiver: &Receiver, header: &TransferHeader, frames: &[Fra
         }
     }
 }
+
+/// Two senders on their own connections: the first opens and sends one frame, then the second
+/// (a retry the router started before this side saw the first one's stream end) opens the same
+/// transfer, sends everything and commits. The first one's commit is refused as superseded, and
+/// the blocks hold the second one's data.
+pub async fn a_newer_sender_takes_over<S: pd_kv_transfer::KvSender>(r: &Receiver, first: &S, second: &S) {
+    use pd_kv_transfer::{kv_commit, KvTransfer};
+    let (header, outcome) = r.reserve("retried", 40, Duration::from_secs(30));
+    let (stale, all) = (frames(&header, 31, 3), frames(&header, 32, 3));
+    let mut old = first.start(header.clone()).await.expect("the first sender is accepted");
+    old.send(stale[0].clone()).await.expect("the first sender's first frame");
+    let mut retry = second.start(header.clone()).await.expect("the retry takes the transfer over");
+    for f in &all {
+        retry.send(f.clone()).await.expect("the retry's frames");
+    }
+    // The old stream's next frame is refused; its commit reports that refusal.
+    let _ = old.send(stale[1].clone()).await;
+    let refused = old.commit(kv_commit(1, 40)).await.expect_err("the superseded sender cannot commit");
+    assert!(refused.to_string().contains("superseded") || refused.to_string().contains("taken over"), "{refused}");
+    retry.commit(kv_commit(2, 40)).await.expect("the retry commits");
+    let committed = outcome.await.expect("outcome").expect("committed");
+    assert_eq!(committed.first_token, 2);
+    assert_landed(r, &header, &all);
+    drop(committed);
+    assert!(r.all_free());
+}
