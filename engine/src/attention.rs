@@ -178,42 +178,84 @@ pub(crate) fn paged_attention(
     Ok(Tensor::cat(&parts, 0)?)
 }
 
-/// Prefill-chunk attention: gather this sequence's K/V, then masked matmuls, one KV head
-/// (its group of query heads) at a time. The scores are the largest activation of a forward
-/// pass (`group * rows * keys` f32 per KV head: 16 MiB for 4 heads of a 512-token chunk at
-/// 2,048 keys); all KV heads at once would hold `num_kv_heads` times that, several times over
-/// while scaling, masking and the softmax each write a new tensor.
+/// Elements of one score tile (`[tile rows * group, keys]` f32): 4 MiB.
+const SCORE_TILE_ELEMS: usize = 1 << 20;
+
+/// Query rows per score tile for `group` heads over `keys` keys: as many as fit in
+/// `SCORE_TILE_ELEMS`, at least 16 (tiny tiles would be all call overhead).
+fn tile_rows(rows: usize, group: usize, keys: usize) -> usize {
+    (SCORE_TILE_ELEMS / (group * keys).max(1)).clamp(16, rows.max(16))
+}
+
+/// Prefill-chunk attention: gather this sequence's K/V as stored, then masked matmuls, one KV
+/// head (its group of query heads) and one tile of query rows at a time. The scores are the
+/// largest activation of a forward pass (`group * rows * keys` f32 per KV head: 8 MiB for 2
+/// heads of a 512-token chunk at 2,048 keys), written again by the masking and the softmax;
+/// tiles of `SCORE_TILE_ELEMS` bound that whatever the chunk and the context. Only one KV
+/// head's keys and values are widened to f32 at a time (all of them were 16 MiB at 2,048
+/// keys of Qwen3-0.6B, and as much again for their per-head copies).
 fn gathered_attention(q: &Tensor, cache: &KvCache, layer: usize, plan: &SeqPlan, heads: Heads) -> Result<Tensor> {
-    let Heads { num_heads, num_kv_heads, head_dim, softcap, window } = heads;
+    let keys = gather_inputs(plan, heads)?.slots.dim(0)?;
+    let tile = tile_rows(plan.rows, heads.num_heads / heads.num_kv_heads, keys);
+    gathered_attention_in_tiles(q, cache, layer, plan, heads, tile)
+}
+
+fn gather_inputs(plan: &SeqPlan, heads: Heads) -> Result<&GatherInputs> {
+    let inputs = if heads.window > 0 { &plan.window_gather } else { &plan.gather };
+    inputs.as_ref().ok_or_else(|| EngineError::InvalidBatch("gather inputs missing from the plan".into()))
+}
+
+/// `gathered_attention` with `tile` query rows per score tile.
+fn gathered_attention_in_tiles(
+    q: &Tensor,
+    cache: &KvCache,
+    layer: usize,
+    plan: &SeqPlan,
+    heads: Heads,
+    tile: usize,
+) -> Result<Tensor> {
+    let Heads { num_heads, num_kv_heads, head_dim, softcap, .. } = heads;
     let group = num_heads / num_kv_heads;
     let n = plan.rows;
-    let inputs = if window > 0 { &plan.window_gather } else { &plan.gather };
-    let inputs =
-        inputs.as_ref().ok_or_else(|| EngineError::InvalidBatch("gather inputs missing from the plan".into()))?;
+    let inputs = gather_inputs(plan, heads)?;
     let ctx = inputs.slots.dim(0)?;
-    let (k, v) = cache.gather(layer, &inputs.slots)?;
-    // [ctx, kvh*hd] -> [kvh, ctx, hd]
-    let k = k.reshape((ctx, num_kv_heads, head_dim))?.transpose(0, 1)?.contiguous()?;
-    let v = v.reshape((ctx, num_kv_heads, head_dim))?.transpose(0, 1)?.contiguous()?;
-    // [n, nh*hd] -> [nh, n, hd] -> [kvh, group*n, hd]: the heads of a group are adjacent.
-    let q = q.reshape((n, num_heads, head_dim))?.transpose(0, 1)?.contiguous()?.reshape((
+    let (k, v) = cache.gather_stored(layer, &inputs.slots)?;
+    let (k, v) = (k.reshape((ctx, num_kv_heads, head_dim))?, v.reshape((ctx, num_kv_heads, head_dim))?);
+    // [n, nh*hd] -> [kvh, n*group, hd], row i*group + g: a tile of query rows is a contiguous
+    // range of rows, every head of the group included. Scaled here, on fewer values than the
+    // scores.
+    let scale = 1.0 / (head_dim as f64).sqrt();
+    let q = (q.reshape((n, num_kv_heads, group, head_dim))?.transpose(0, 1)?.contiguous()? * scale)?.reshape((
         num_kv_heads,
-        group * n,
+        n * group,
         head_dim,
     ))?;
-    let scale = 1.0 / (head_dim as f64).sqrt();
+    let mask = inputs.mask.reshape((n, 1, ctx))?;
+    let tile = tile.max(1);
     let mut outs = Vec::with_capacity(num_kv_heads);
     for h in 0..num_kv_heads {
-        let mut scores = (q.get(h)?.matmul(&k.get(h)?.t()?)? * scale)?; // [group*n, ctx]
-        if softcap > 0.0 {
-            scores = ((scores / softcap as f64)?.tanh()? * softcap as f64)?;
+        let widen = |t: &Tensor| -> Result<Tensor> { Ok(t.narrow(1, h, 1)?.squeeze(1)?.to_dtype(DType::F32)?) };
+        let (kt, vh) = (widen(&k)?.t()?, widen(&v)?.contiguous()?); // [hd, ctx], [ctx, hd]
+        let qh = q.get(h)?;
+        let mut tiles = Vec::with_capacity(n.div_ceil(tile));
+        for first in (0..n).step_by(tile) {
+            let rows = tile.min(n - first);
+            let mut scores = qh.narrow(0, first * group, rows * group)?.matmul(&kt)?; // [rows*group, ctx]
+            if softcap > 0.0 {
+                scores = ((scores / softcap as f64)?.tanh()? * softcap as f64)?;
+            }
+            let scores = scores.reshape((rows, group, ctx))?.broadcast_add(&mask.narrow(0, first, rows)?)?;
+            let probs = candle_nn::ops::softmax_last_dim(&scores)?.reshape((rows * group, ctx))?;
+            tiles.push(probs.matmul(&vh)?); // [rows*group, hd]
         }
-        let scores = scores.reshape((group, n, ctx))?.broadcast_add(&inputs.mask)?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?.reshape((group * n, ctx))?;
-        outs.push(probs.matmul(&v.get(h)?)?); // [group*n, hd]
+        outs.push(if tiles.len() == 1 { tiles.remove(0) } else { Tensor::cat(&tiles, 0)? });
     }
-    let out = Tensor::stack(&outs, 0)?; // [kvh, group*n, hd]
-    Ok(out.reshape((num_heads, n, head_dim))?.transpose(0, 1)?.contiguous()?.reshape((n, num_heads * head_dim))?)
+    let out = Tensor::stack(&outs, 0)?; // [kvh, n*group, hd]
+    Ok(out
+        .reshape((num_kv_heads, n, group, head_dim))?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((n, num_heads * head_dim))?)
 }
 
 /// Decode attention on CUDA straight from the cache blocks: `[which.len(), width]`.
@@ -746,28 +788,36 @@ mod tests {
     }
 
     /// A prefill chunk's rows see what each row would see as a decode step (the mask of a
-    /// sliding window included), and the window changes the result where it is shorter
-    /// than the context.
+    /// sliding window included), whatever the tiles of query rows the scores are computed
+    /// in, and the window changes the result where it is shorter than the context.
     #[test]
     fn a_chunk_attends_as_its_rows_would_one_by_one() -> Result<()> {
-        for window in [0, 3, 6] {
-            let heads = Heads { num_heads: 4, num_kv_heads: 2, head_dim: 8, softcap: 0.0, window };
+        for (window, softcap, tile) in [(0, 0.0, 4), (3, 0.0, 4), (6, 0.0, 4), (0, 0.0, 1), (3, 1.5, 3), (0, 1.5, 2)] {
+            let heads = Heads { num_heads: 4, num_kv_heads: 2, head_dim: 8, softcap, window };
             let (model, cache) = filled_cache(KvCacheDType::F32, heads)?;
             let (rows, start_pos) = (4, 7);
             let q = Tensor::randn(0f32, 1.0, (rows, model.hidden_size), &Device::Cpu)?;
             let chunk = gather_plan(rows, start_pos, scattered_slots(), heads)?;
-            let together = gathered_attention(&q, &cache, 0, &chunk, heads)?;
+            let together = gathered_attention_in_tiles(&q, &cache, 0, &chunk, heads, tile)?;
             let full = gathered_attention(&q, &cache, 0, &chunk, Heads { window: 0, ..heads })?;
             for r in 0..rows {
                 let plan = SeqPlan::new(0, 1, start_pos + r, scattered_slots(), heads, &Device::Cpu)?;
                 let alone = paged_attention(&q.narrow(0, r, 1)?, &cache, 0, std::slice::from_ref(&plan), heads)?;
                 let diff = (together.narrow(0, r, 1)? - alone)?.abs()?.max_all()?.to_scalar::<f32>()?;
-                assert!(diff < 1e-5, "window {window}, row {r}: max difference {diff}");
+                assert!(diff < 1e-5, "window {window}, tile {tile}, row {r}: max difference {diff}");
             }
             let changed = (together - full)?.abs()?.max_all()?.to_scalar::<f32>()?;
             assert_eq!(window > 0, changed > 1e-3, "window {window}: the window changed the result by {changed}");
         }
         Ok(())
+    }
+
+    #[test]
+    fn score_tiles_hold_a_bounded_number_of_scores() {
+        assert_eq!(tile_rows(512, 2, 2048), 256);
+        assert_eq!(tile_rows(512, 2, 512), 512, "a short context keeps the chunk in one tile");
+        assert_eq!(tile_rows(512, 8, 1 << 20), 16, "never fewer than 16 rows");
+        assert_eq!(tile_rows(5, 2, 64), 16);
     }
 
     #[test]

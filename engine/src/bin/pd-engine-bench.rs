@@ -67,6 +67,30 @@ fn peak_rss_mib() -> Option<f64> {
     status_mib("VmHWM:")
 }
 
+/// Starts a new peak: memory the last phase freed goes back to the kernel (mimalloc keeps
+/// freed pages for a second), then the kernel sets VmHWM back to the current RSS
+/// (`clear_refs` value 5). Returns false where it cannot (not Linux, or no write access), so
+/// the phases' peaks are left out rather than reported wrong.
+fn reset_peak() -> bool {
+    // SAFETY: mi_collect takes no pointers; it only frees pages mimalloc owns.
+    unsafe { libmimalloc_sys::mi_collect(true) };
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// Peak resident memory by phase: the engine's own work (prefill, decode) apart from the
+/// bench's measurement buffers (whole-context KV export and import, which a worker never
+/// holds: it streams one layer's frames at a time).
+#[derive(Debug, Default)]
+struct PhasePeaks {
+    /// Through the load and the warm-up.
+    load: Option<f64>,
+    prefill: Option<f64>,
+    export_import: Option<f64>,
+    decode: Option<f64>,
+    /// The KV snapshot the bench holds through the decode phase, in MiB.
+    snapshot: f64,
+}
+
 /// A memory figure of this process from /proc/self/status (VmHWM: peak, VmRSS: now).
 fn status_mib(key: &str) -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -110,6 +134,8 @@ fn main() -> anyhow::Result<()> {
     drop(engine.prefill(&mut engine.new_sequence(), &prompt(32, 99), args.chunk)?);
     // A GPU queues work: every timed section ends by waiting for the device.
     let sync = || engine.model().device().synchronize();
+    let mut peaks = PhasePeaks { load: peak_rss_mib(), ..PhasePeaks::default() };
+    let phases = reset_peak();
 
     for &len in &args.prefill {
         let mut kv = engine.new_sequence();
@@ -118,6 +144,10 @@ fn main() -> anyhow::Result<()> {
         sync()?;
         let s = t.elapsed().as_secs_f64();
         println!("| prefill {len} tokens (chunk {}) | {:.0} tok/s ({:.2} s) |", args.chunk, len as f64 / s, s);
+    }
+    if phases {
+        peaks.prefill = peak_rss_mib();
+        reset_peak();
     }
 
     // One prefilled context, copied into every sequence of the batch through KV export/import.
@@ -156,7 +186,14 @@ fn main() -> anyhow::Result<()> {
         KvCacheDType::F16 => WireDType::F16,
         KvCacheDType::F32 => WireDType::F32,
     };
+    if phases {
+        peaks.export_import = peak_rss_mib();
+    }
     let snapshot = engine.export_kv(&base, 0..engine.model().config().num_layers, snapshot_dtype)?;
+    peaks.snapshot = snapshot.len() as f64 / MIB;
+    if phases {
+        reset_peak();
+    }
     let mut single_ms = None;
     let mut breakdowns = Vec::new();
     for &batch in &args.batch {
@@ -205,23 +242,45 @@ fn main() -> anyhow::Result<()> {
     if args.long_row > 0 {
         long_row_cost(&engine, &snapshot, first_token, &args)?;
     }
-    if let Some(rss) = peak_rss_mib() {
-        println!("| peak RSS | {rss:.0} MiB |");
-        if let Some(loaded) = loaded_mib {
-            println!("| RSS after the load | {loaded:.0} MiB |");
-        }
-        if let Some(now) = status_mib("VmRSS:") {
-            println!("| RSS at the end | {now:.0} MiB |");
-        }
-        // The memory budget a deployment plans with: the weight file plus the KV pool.
-        let file_mib = std::fs::metadata(&args.model).map(|m| m.len()).unwrap_or(0) as f64 / MIB;
-        let pool_mib = kv_pool_bytes(engine.cache()) as f64 / MIB;
+    if phases {
+        peaks.decode = peak_rss_mib();
+    }
+    // The memory budget a deployment plans with: the weight file plus the KV pool.
+    let file_mib = std::fs::metadata(&args.model).map(|m| m.len()).unwrap_or(0) as f64 / MIB;
+    let budget = file_mib + kv_pool_bytes(engine.cache()) as f64 / MIB;
+    print_memory(loaded_mib, &peaks, file_mib, budget);
+    Ok(())
+}
+
+/// The memory rows: RSS after the load, each phase's peak, the end, and the peaks as a
+/// multiple of the weight file plus the KV pool.
+fn print_memory(loaded: Option<f64>, peaks: &PhasePeaks, file_mib: f64, budget: f64) {
+    // VmHWM restarts at each phase: the whole run's peak is the largest of them.
+    let phases = [peaks.load, peaks.prefill, peaks.export_import, peaks.decode, peak_rss_mib()];
+    let Some(whole) = phases.into_iter().flatten().reduce(f64::max) else { return };
+    let pool_mib = budget - file_mib;
+    if let Some(loaded) = loaded {
+        println!("| RSS after the load | {loaded:.0} MiB ({:.3}x) |", loaded / budget);
+    }
+    if let Some(prefill) = peaks.prefill {
+        println!("| peak RSS during prefill | {prefill:.0} MiB ({:.3}x) |", prefill / budget);
+    }
+    if let Some(buffers) = peaks.export_import {
+        println!("| peak RSS during KV export / import (the bench's whole-context buffers) | {buffers:.0} MiB |");
+    }
+    if let Some(decode) = peaks.decode {
+        let engine = decode - peaks.snapshot;
         println!(
-            "| peak RSS / (model file {file_mib:.0} MiB + KV pool {pool_mib:.0} MiB) | {:.3} |",
-            rss / (file_mib + pool_mib)
+            "| peak RSS during decode, less the bench's {:.0} MiB KV snapshot | {engine:.0} MiB ({:.3}x) |",
+            peaks.snapshot,
+            engine / budget
         );
     }
-    Ok(())
+    if let Some(now) = status_mib("VmRSS:") {
+        println!("| RSS at the end | {now:.0} MiB |");
+    }
+    println!("| peak RSS of the whole run | {whole:.0} MiB ({:.3}x) |", whole / budget);
+    println!("| budget: model file + KV pool | {file_mib:.0} + {pool_mib:.0} MiB |");
 }
 
 const MIB: f64 = 1024.0 * 1024.0;

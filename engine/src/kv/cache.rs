@@ -121,7 +121,8 @@ impl KvCache {
         Ok(())
     }
 
-    /// Rows of K and V at `slots` (`[n]` u32), each `[n, kv_width]` f32.
+    /// Rows of K and V at `slots` (`[n]` u32), each `[n, kv_width]` f32 (tests compare with it).
+    #[cfg(test)]
     pub(crate) fn gather(&self, layer: usize, slots: &Tensor) -> Result<(Tensor, Tensor)> {
         let (k_cache, v_cache) = &self.layers[layer];
         Ok((
