@@ -120,7 +120,8 @@ fn blocks_outside_the_reservation_are_refused() {
 fn layer_out_of_range_is_refused() {
     let (r, header, outcome, sender) = opened();
     let g = header.geometry;
-    let err = r.registry.apply_frame("t1", sender, &Frame::new(2, 0, 1, vec![1u8; g.frame_bytes(1)])).expect_err("layer");
+    let err =
+        r.registry.apply_frame("t1", sender, &Frame::new(2, 0, 1, vec![1u8; g.frame_bytes(1)])).expect_err("layer");
     assert_failed(&r, outcome, &err, "layer_out_of_range");
 }
 

@@ -107,13 +107,15 @@ async fn serve_stream(
                     return;
                 }
             },
-            (Some(Incoming::Frame(f)), Some((id, sender))) => match registry.apply_frame(id, *sender, &Frame::from_pb(f)) {
-                Ok(()) => None,
-                Err(e) => {
-                    let _ = out.send(Ok(refused(&e))).await;
-                    return;
+            (Some(Incoming::Frame(f)), Some((id, sender))) => {
+                match registry.apply_frame(id, *sender, &Frame::from_pb(f)) {
+                    Ok(()) => None,
+                    Err(e) => {
+                        let _ = out.send(Ok(refused(&e))).await;
+                        return;
+                    }
                 }
-            },
+            }
             (Some(Incoming::Commit(c)), Some((id, sender))) => {
                 let reply = match registry.commit(id, *sender, c) {
                     Ok((bytes, frames)) => {
