@@ -10,6 +10,7 @@ import sys
 import urllib.request
 
 import openai
+from checks import check
 
 BASE = sys.argv[1].rstrip("/")
 client = openai.OpenAI(base_url=BASE + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -21,13 +22,6 @@ def post(path, body):
     req = urllib.request.Request(BASE + path, json.dumps(body).encode(), {"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.load(r)
-
-
-def check(name, ok, detail=""):
-    if not ok:
-        print(f"FAIL {name}: {detail}")
-        sys.exit(1)
-    print(f"ok   {name}")
 
 
 def chat(**kw):

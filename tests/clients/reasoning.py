@@ -12,19 +12,13 @@ import re
 import sys
 
 import openai
+from checks import check
 
 BASE = sys.argv[1].rstrip("/")
 client = openai.OpenAI(base_url=BASE + "/v1", api_key="unused", max_retries=0, timeout=120)
 MODEL = client.models.list().data[0].id
 ask = [{"role": "user", "content": "What is the capital of France? Think first."}]
 THINKING = r"<think>\n[a-z ]{4,40}\n</think>\n\n[A-Z][a-z]{2,20}\."
-
-
-def check(name, ok, detail=""):
-    if not ok:
-        print(f"FAIL {name}: {detail}")
-        sys.exit(1)
-    print(f"ok   {name}")
 
 
 def chat(**kw):

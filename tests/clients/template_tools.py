@@ -13,17 +13,11 @@ import json
 import sys
 
 import openai
+from checks import check
 
 BASE = sys.argv[1].rstrip("/")
 client = openai.OpenAI(base_url=BASE + "/v1", api_key="unused", max_retries=0, timeout=120)
 MODEL = client.models.list().data[0].id
-
-
-def check(name, ok, detail=""):
-    if not ok:
-        print(f"FAIL {name}: {detail}")
-        sys.exit(1)
-    print(f"ok   {name}")
 
 
 weather = {
