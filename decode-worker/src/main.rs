@@ -7,8 +7,7 @@ use std::time::Duration;
 use clap::Parser;
 use pd_engine::{set_compute_threads, CacheConfig, DeviceKind, KvCacheDType, LoadOptions, WeightFormat, WireDType};
 
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+pd_engine::model_allocator!();
 
 /// pd decode worker.
 #[derive(Debug, Parser)]

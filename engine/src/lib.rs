@@ -7,6 +7,8 @@
 //! tokenizer and chat template of the checkpoint, and sampling with stop conditions.
 //! No async runtime and no networking live here.
 
+mod activation;
+pub mod alloc;
 mod attention;
 pub mod chat;
 pub mod config;

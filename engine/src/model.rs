@@ -110,14 +110,9 @@ enum Mlp {
 /// A gated MLP: `down(act(gate(h)) * up(h))`, gate and up as one matmul of `2 * ffn` outputs.
 pub(crate) fn gated_mlp(gate_up: &Linear, down: &Linear, h: &Tensor, ffn: usize, act: Activation) -> Result<Tensor> {
     let gate_up = timed(Op::Projections, || gate_up.forward(h))?;
-    let act = timed(Op::Activation, || {
-        let gate = gate_up.narrow(1, 0, ffn)?;
-        let gate = match act {
-            Activation::Silu => candle_nn::ops::silu(&gate)?,
-            Activation::GeluTanh => gate.gelu()?,
-        };
-        gate * gate_up.narrow(1, ffn, ffn)?
-    })?;
+    let act = timed(Op::Activation, || crate::activation::gated_activation(&gate_up, ffn, act))?;
+    // `[rows, 2 * ffn]`, the largest activation of a layer: freed before the down projection.
+    drop(gate_up);
     timed(Op::Projections, || down.forward(&act))
 }
 
@@ -467,12 +462,17 @@ impl Model {
             }
             let v = qkv.narrow(1, q_width + kv_width, kv_width)?;
             timed(Op::KvWrite, || cache.write(layer_idx, &slot_index, &k, &v))?;
+            // What the cache now holds, and the norm's output, are not needed again: a
+            // prefill chunk's live set stays one layer stage's tensors.
+            drop((h, qkv, k, v));
             if layer_done(layer_idx).is_break() {
                 return Err(EngineError::Preempted { layers: layer_idx + 1 });
             }
             let attn =
                 timed(Op::Attention, || paged_attention(&q, cache, layer_idx, &plans, Heads { window, ..heads }))?;
+            drop(q);
             let mut out = timed(Op::Projections, || layer.out.forward(&attn))?;
+            drop(attn);
             if let Some((post_attn, _)) = &layer.post_norms {
                 out = timed(Op::Norms, || candle_nn::ops::rms_norm(&out, post_attn, eps))?;
             }

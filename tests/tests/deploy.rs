@@ -469,3 +469,31 @@ fn the_configuration_reference_is_the_binaries_own_help() {
         );
     }
 }
+
+/// The binaries that hold a model configure mimalloc before its first allocation
+/// (`pd_engine::model_allocator!`): arenas committed on demand, so memory freed back to an
+/// arena leaves RSS. mimalloc's verbose mode prints its options once they are read; the
+/// environment still overrides the binaries' default.
+#[test]
+fn model_binaries_commit_allocator_arenas_on_demand() {
+    let option = |name: &str, env: &[(&str, &str)]| -> String {
+        let out = Command::new(binary(name))
+            .arg("--help")
+            .env_clear()
+            .env("MIMALLOC_VERBOSE", "1")
+            .envs(env.iter().copied())
+            .output()
+            .expect("run --help");
+        assert!(out.status.success(), "{name} --help");
+        let log = String::from_utf8_lossy(&out.stderr);
+        log.lines()
+            .find_map(|l| l.trim().strip_prefix("option 'arena_eager_commit': "))
+            .unwrap_or_else(|| panic!("{name}: mimalloc printed no arena_eager_commit option:\n{log}"))
+            .trim()
+            .to_string()
+    };
+    for name in ["pd-prefill", "pd-decode", "pd-engine-bench"] {
+        assert_eq!(option(name, &[]), "0", "{name}");
+        assert_eq!(option(name, &[("MIMALLOC_ARENA_EAGER_COMMIT", "2")]), "2", "{name} with the variable set");
+    }
+}

@@ -5,10 +5,9 @@
 
 use std::path::PathBuf;
 
-/// Reuses freed memory instead of returning it to the kernel: the forward pass allocates
-/// large short-lived buffers, which glibc maps fresh (and the kernel zeroes) every time.
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+// Reuses freed memory instead of returning it to the kernel: the forward pass allocates
+// large short-lived buffers, which glibc maps fresh (and the kernel zeroes) every time.
+pd_engine::model_allocator!();
 use std::time::Instant;
 
 use anyhow::Context;
@@ -114,8 +113,10 @@ fn main() -> anyhow::Result<()> {
     let options = LoadOptions { weights: args.weights, device: args.device };
     let engine =
         Engine::load(&args.model, options, cache).with_context(|| format!("loading {}", args.model.display()))?;
-    // Resident right after the load: the weights and the tokenizer (the KV pool's pages are
-    // not touched yet).
+    // Every page of the KV pool resident, as in a worker that has run a while: otherwise the
+    // figures below would depend on how much of the pool this run's prompts happen to write.
+    engine.cache().touch_all()?;
+    // Resident right after the load: the weights, the tokenizer and the whole KV pool.
     let loaded_mib = status_mib("VmRSS:");
     println!(
         "model {} | device {:?} | weights {:?} | KV cache {:?} | threads {} | SIMD {}",

@@ -7,10 +7,9 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Parser;
-/// Reuses freed memory: the forward pass allocates large short-lived buffers, which glibc
-/// would map fresh (and the kernel zero) on every step.
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+// Reuses freed memory: the forward pass allocates large short-lived buffers, which glibc
+// would map fresh (and the kernel zero) on every step.
+pd_engine::model_allocator!();
 
 use pd_engine::{set_compute_threads, CacheConfig, ChatMessage, Engine, LoadOptions, SamplingParams, WeightFormat};
 

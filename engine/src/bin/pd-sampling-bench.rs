@@ -18,8 +18,7 @@ use pd_engine::{
     SequenceKv, WeightFormat,
 };
 
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+pd_engine::model_allocator!();
 
 #[derive(Debug, Parser)]
 struct Args {

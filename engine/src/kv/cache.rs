@@ -58,6 +58,24 @@ impl KvCache {
         })
     }
 
+    /// Writes zeros over every slot of every layer, so that each page of the pool is
+    /// resident, as it is in a worker that has run a while (the kernel maps a fresh
+    /// allocation's pages only when first written). `pd-engine-bench` measures memory from
+    /// that steady state rather than from a pool the prompts have only partly touched.
+    pub fn touch_all(&self) -> Result<()> {
+        const SLOTS_PER_WRITE: usize = 4096;
+        let slots = self.num_blocks * self.block_size;
+        for (k, v) in &self.layers {
+            for start in (0..slots).step_by(SLOTS_PER_WRITE) {
+                let n = SLOTS_PER_WRITE.min(slots - start);
+                let zeros = Tensor::zeros((n, self.kv_width), self.dtype, k.device())?;
+                k.slice_set(&zeros, 0, start)?;
+                v.slice_set(&zeros, 0, start)?;
+            }
+        }
+        Ok(())
+    }
+
     /// A block manager whose ids address this cache.
     pub fn block_manager(&self) -> BlockManager {
         BlockManager::new(self.num_blocks, self.block_size)

@@ -15,8 +15,7 @@ use pd_prefill::pipeline::{prefill_and_send, PrefillJob};
 use pd_prefill::step::StepConfig;
 use pd_prefill::steps::Steps;
 
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+pd_engine::model_allocator!();
 
 #[derive(Debug, Parser)]
 struct Args {
