@@ -38,6 +38,7 @@ pub mod names {
     pub const ROUTE_DECISIONS: &str = "pd_route_decisions_total";
     pub const ROUTER_QUEUE_TIME: &str = "pd_router_queue_time_seconds";
     pub const ROUTER_QUEUED: &str = "pd_router_queued_requests";
+    pub const ROUTER_INDEXED_BLOCKS: &str = "pd_router_indexed_blocks";
     pub const MIGRATIONS: &str = "pd_migrations_total";
     pub const PREFIX_QUERIES: &str = "pd_prefix_cache_queries_total";
     pub const PREFIX_HITS: &str = "pd_prefix_cache_hits_total";
@@ -215,6 +216,8 @@ pub struct RouterMetrics {
     pub queue_time: HistogramVec,
     /// Requests waiting in the router's queues, by class.
     pub queued: GaugeVec,
+    /// Blocks the router's prefix index credits to each worker, by pool and worker address.
+    pub indexed_blocks: GaugeVec,
 }
 
 impl RouterMetrics {
@@ -243,6 +246,11 @@ impl RouterMetrics {
                 &["class"],
             ),
             queued: m.gauge_vec(names::ROUTER_QUEUED, "Requests waiting in the router's queues.", &["class"]),
+            indexed_blocks: m.gauge_vec(
+                names::ROUTER_INDEXED_BLOCKS,
+                "Cached KV blocks the router's prefix index credits to each worker (its view of pd_kv_cached_blocks).",
+                &["pool", "worker"],
+            ),
         }
     }
 }

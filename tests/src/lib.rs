@@ -438,17 +438,50 @@ impl Cluster {
         client.load(pd_proto::v1::LoadRequest::default()).await.expect("load").into_inner()
     }
 
-    /// Waits (up to `timeout`) until the decode worker holds no KV blocks; panics naming
-    /// the load otherwise. A sequence's blocks are freed when it leaves the batch, just after
-    /// its last token went out, so a client can see its answer a step before that.
+    /// Waits (up to `timeout`) until no decode worker that answers holds KV blocks; panics
+    /// naming the load otherwise. A sequence's blocks are freed when it leaves the batch, just
+    /// after its last token went out, so a client can see its answer a step before that.
     pub async fn wait_kv_free(&self, timeout: Duration) {
         let deadline = Instant::now() + timeout;
+        for addr in &self.decode_addrs {
+            loop {
+                let Ok(mut client) =
+                    pd_proto::v1::decode_worker_client::DecodeWorkerClient::connect(format!("http://{addr}")).await
+                else {
+                    break; // killed by the test: it holds nothing
+                };
+                let Ok(load) = client.load(pd_proto::v1::LoadRequest::default()).await else { break };
+                let load = load.into_inner();
+                if load.free_blocks == load.total_blocks {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "KV blocks of {addr} still in use after {timeout:?}: {load:?}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+
+    /// Waits (up to `timeout`) until the router's prefix index credits every decode worker
+    /// with the blocks that worker reports cached (`pd_router_indexed_blocks` against its
+    /// `pd_kv_cached_blocks`), i.e. a refresh has applied its latest cache events. Panics
+    /// naming both otherwise.
+    pub async fn wait_router_index_synced(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
         loop {
-            let load = self.decode_load().await;
-            if load.free_blocks == load.total_blocks {
+            let router = Self::scrape(&self.http).await;
+            let mut differ = Vec::new();
+            for (addr, metrics) in self.decode_addrs.iter().zip(&self.decode_metrics_all) {
+                let held = metric(&Self::scrape(metrics).await, "pd_kv_cached_blocks").unwrap_or(0.0);
+                let series = format!("pd_router_indexed_blocks{{pool=\"decode\",worker=\"{addr}\"}}");
+                let indexed = metric(&router, &series);
+                if indexed != Some(held) {
+                    differ.push(format!("{addr}: worker {held}, router {indexed:?}"));
+                }
+            }
+            if differ.is_empty() {
                 return;
             }
-            assert!(Instant::now() < deadline, "KV blocks still in use after {timeout:?}: {load:?}");
+            assert!(Instant::now() < deadline, "the router's prefix index lags after {timeout:?}: {differ:?}");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -490,4 +523,10 @@ pub async fn sse_events(url: &str, body: &serde_json::Value, headers: &[(&str, &
         }
     }
     events
+}
+
+/// The value of the sample `series` (a name, with its labels if any, as the exposition writes
+/// them) in Prometheus text, if present.
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
 }

@@ -97,8 +97,9 @@ async fn a_cached_prefix_is_neither_recomputed_nor_shipped_and_answers_stay_the_
         let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached_tokens");
         assert_eq!(cached as usize, hit, "cached tokens reported for {q:?}");
         previous.push(tokens);
-        // Let the router's next refresh see the new cache events.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // The router's index has the new cache events before the next request.
+        cluster.wait_kv_free(Duration::from_secs(20)).await;
+        cluster.wait_router_index_synced(Duration::from_secs(20)).await;
     }
     let second = &records(&cluster)[1];
     assert!(field(second, "cached_tokens") >= 4 * BLOCK as u64, "the system prompt was cached: {second}");
@@ -169,7 +170,8 @@ async fn requests_go_to_the_decode_worker_holding_their_prefix_and_a_restart_res
     let mut seen = 0;
     let mut ask = async |cluster: &Cluster, system: &str, q: &str| -> Value {
         chat(cluster, &body(system, q, 4)).await;
-        tokio::time::sleep(Duration::from_millis(300)).await; // the next refresh sees the events
+        cluster.wait_kv_free(Duration::from_secs(20)).await; // the answer's blocks went to the cache
+        cluster.wait_router_index_synced(Duration::from_secs(20)).await;
         let all = records(cluster);
         assert_eq!(all.len(), seen + 1, "one record per request");
         seen += 1;
@@ -192,7 +194,7 @@ async fn requests_go_to_the_decode_worker_holding_their_prefix_and_a_restart_res
     // The worker holding prefix A restarts empty under the same address.
     let i = cluster.decode_addrs.iter().position(|a| *a == holder["a"]).expect("a decode worker");
     cluster.restart_decode(i);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    cluster.wait_router_index_synced(Duration::from_secs(20)).await;
     let after = ask(&cluster, SYSTEM_A, "Can I renew online?").await;
     assert_eq!(
         field(&after, "decode_cached_tokens"),

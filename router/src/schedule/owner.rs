@@ -10,6 +10,7 @@
 //! question first sees every grant the events before it made possible: admission and retry
 //! choices read the state as it would be had each event been dispatched at once.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -78,6 +79,9 @@ pub(super) struct Owner {
     pub events: mpsc::WeakUnboundedSender<Event>,
     /// Events applied since the last dispatch could grant something.
     dirty: bool,
+    /// The (pool, worker) series of `indexed_blocks` set at the last refresh, so that a
+    /// worker that left has its series removed rather than frozen at its last value.
+    indexed: HashSet<(&'static str, String)>,
 }
 
 impl Owner {
@@ -87,7 +91,7 @@ impl Owner {
         metrics: RouterMetrics,
         events: mpsc::WeakUnboundedSender<Event>,
     ) -> Self {
-        Owner { state, classes, metrics, events, dirty: false }
+        Owner { state, classes, metrics, events, dirty: false, indexed: HashSet::new() }
     }
 
     /// Applies events until every sender is gone.
@@ -132,6 +136,7 @@ impl Owner {
             Event::Quarantine { addr, how_long } => self.state.quarantine(&addr, now + how_long, now),
             Event::Refreshed { decode, prefill } => {
                 self.state.refreshed(decode, prefill, now);
+                self.count_indexed();
                 self.dirty = true;
             }
             Event::DecodeOpened(seq) => self.state.decode_opened(seq),
@@ -170,6 +175,23 @@ impl Owner {
                 break;
             }
         }
+    }
+
+    /// The prefix index's size per worker: what the router believes each worker's cache holds,
+    /// to read beside the worker's own `pd_kv_cached_blocks`.
+    fn count_indexed(&mut self) {
+        let fleet = &self.state.fleet;
+        let decode = fleet.decode().iter().map(|d| ("decode", &d.addr, d.prefixes.indexed_blocks()));
+        let prefill = fleet.prefill().iter().map(|p| ("prefill", &p.addr, p.prefixes.indexed_blocks()));
+        let mut now_set = HashSet::with_capacity(self.indexed.len());
+        for (pool, addr, blocks) in decode.chain(prefill) {
+            self.metrics.indexed_blocks.with_label_values(&[pool, addr.as_str()]).set(blocks as f64);
+            now_set.insert((pool, addr.clone()));
+        }
+        for (pool, addr) in self.indexed.difference(&now_set) {
+            let _ = self.metrics.indexed_blocks.remove_label_values(&[pool, addr.as_str()]);
+        }
+        self.indexed = now_set;
     }
 
     /// The queue-length gauges.

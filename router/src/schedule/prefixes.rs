@@ -259,6 +259,11 @@ impl PrefixIndex {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// `len` without the scan: a routed hash counts until the next routing drops it.
+    pub fn indexed_blocks(&self) -> usize {
+        self.followed.as_ref().map_or(self.routed.len(), |f| f.hashes.len())
+    }
 }
 
 /// Block hashes of a prompt for one (seed, block size).

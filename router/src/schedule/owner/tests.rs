@@ -203,3 +203,34 @@ async fn through_the_handle_a_refusal_an_admission_and_a_withdrawal() {
     let granted = tokio::time::timeout(std::time::Duration::from_secs(5), third).await;
     assert!(matches!(granted, Ok(Ok(Ok(_)))), "granted once the first stream ended");
 }
+
+#[test]
+fn the_indexed_blocks_gauge_follows_each_workers_cache_and_drops_a_worker_that_left() {
+    let t0 = Instant::now();
+    let (mut o, _handle, _inbox) = owner();
+    let decode = |hashes: Vec<u64>| pb::DecodeLoad {
+        free_blocks: 1000,
+        total_blocks: 1000,
+        block_size: 16,
+        max_batch: 4,
+        cache: Some(pb::CacheEvents {
+            instance: 7,
+            hash_seed: 1,
+            block_size: 16,
+            last_seq: hashes.len() as u64,
+            snapshot: true,
+            snapshot_hashes: hashes,
+            events: vec![],
+        }),
+        ..Default::default()
+    };
+    let gauge = |o: &Owner, worker: &str| o.metrics.indexed_blocks.get_metric_with_label_values(&["decode", worker]);
+    let both = vec![("d0".to_string(), decode(vec![1, 2, 3])), ("d1".to_string(), decode(vec![4]))];
+    o.apply(Event::Refreshed { decode: both, prefill: vec![] }, t0);
+    assert_eq!(gauge(&o, "d0").map(|g| g.get()).ok(), Some(3.0));
+    assert_eq!(gauge(&o, "d1").map(|g| g.get()).ok(), Some(1.0));
+    // d1 stopped answering: its series goes rather than freezing at its last value.
+    o.apply(Event::Refreshed { decode: vec![("d0".to_string(), decode(vec![1]))], prefill: vec![] }, t0);
+    assert_eq!(gauge(&o, "d0").map(|g| g.get()).ok(), Some(1.0));
+    assert!(o.metrics.indexed_blocks.remove_label_values(&["decode", "d1"]).is_err(), "d1's series was removed");
+}
