@@ -56,6 +56,16 @@ fn small_batch_rows() -> usize {
 }
 
 impl Linear {
+    /// Whether `forward` over `rows` rows on `device` reads the weights as they are kept,
+    /// without a widened copy made for the call (so splitting the rows costs no extra pass).
+    fn streams_weights(&self, device: &Device, rows: usize) -> bool {
+        match self {
+            _ if !matches!(device, Device::Cpu) => false,
+            Linear::Quant(_) => true,
+            Linear::Dense { .. } | Linear::Wq(_) => rows <= small_batch_rows(),
+        }
+    }
+
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(match self {
             Linear::Dense { weight } => {
@@ -107,8 +117,49 @@ enum Mlp {
     Experts(crate::moe::Moe),
 }
 
+/// On CPU, a gated MLP over many rows runs in slices of rows whose `[rows, 2 * ffn]` gate/up
+/// product holds at most this many values (8 MiB), at least `MLP_MIN_ROWS` rows: that product
+/// and its activation are a layer's largest tensors, and a 512-token prefill chunk of
+/// Llama-3.2-1B held 48 MiB of them at once. Rows are independent, so the slices give the
+/// same numbers; the weights are read once per slice instead of once per chunk, which the
+/// row blocks of the small-batch kernels already do every 4 rows.
+const MLP_SLICE_VALUES: usize = 1 << 21;
+const MLP_MIN_ROWS: usize = 64;
+
+/// Rows per slice of a gated MLP `ffn` wide (a multiple of the kernels' 4-row blocks).
+fn mlp_slice_rows(ffn: usize) -> usize {
+    (MLP_SLICE_VALUES / (2 * ffn).max(1)).max(MLP_MIN_ROWS) / 4 * 4
+}
+
 /// A gated MLP: `down(act(gate(h)) * up(h))`, gate and up as one matmul of `2 * ffn` outputs.
+/// Long inputs run in slices of rows (`MLP_SLICE_VALUES`) where the projections read their
+/// weights as kept; where a call would widen them first (gemm on AVX2, GPU) they run whole.
 pub(crate) fn gated_mlp(gate_up: &Linear, down: &Linear, h: &Tensor, ffn: usize, act: Activation) -> Result<Tensor> {
+    let (rows, slice) = (h.dim(0)?, mlp_slice_rows(ffn));
+    let streams = |l: &Linear| l.streams_weights(h.device(), slice);
+    if rows <= slice || !streams(gate_up) || !streams(down) {
+        return mlp_rows(gate_up, down, h, ffn, act);
+    }
+    mlp_in_slices(gate_up, down, h, ffn, act, slice)
+}
+
+fn mlp_in_slices(
+    gate_up: &Linear,
+    down: &Linear,
+    h: &Tensor,
+    ffn: usize,
+    act: Activation,
+    slice: usize,
+) -> Result<Tensor> {
+    let rows = h.dim(0)?;
+    let parts = (0..rows)
+        .step_by(slice)
+        .map(|r| mlp_rows(gate_up, down, &h.narrow(0, r, slice.min(rows - r))?, ffn, act))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Tensor::cat(&parts, 0)?)
+}
+
+fn mlp_rows(gate_up: &Linear, down: &Linear, h: &Tensor, ffn: usize, act: Activation) -> Result<Tensor> {
     let gate_up = timed(Op::Projections, || gate_up.forward(h))?;
     let act = timed(Op::Activation, || crate::activation::gated_activation(&gate_up, ffn, act))?;
     // `[rows, 2 * ffn]`, the largest activation of a layer: freed before the down projection.
@@ -656,6 +707,31 @@ pub(crate) fn fnv1a64(data: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A long MLP input run in slices of rows equals the whole run (`wq` weights, a last
+    /// slice shorter than the others), and the slice size keeps the gate/up product bounded.
+    #[test]
+    fn an_mlp_in_slices_of_rows_equals_the_whole() {
+        let (rows, hidden, ffn) = (150, 64, 96);
+        let weights = |n: usize, k: usize, salt: usize| {
+            let v: Vec<f32> = (0..n * k).map(|i| (((i + salt) * 7919 % 1000) as f32 / 1000.0 - 0.5) * 0.2).collect();
+            let q = QTensor::quantize(&Tensor::from_vec(v, (n, k), &Device::Cpu).expect("t"), GgmlDType::Q4_1);
+            linear(vec![RawTensor::Quant(q.expect("quantize"))], WeightFormat::Wq, &Device::Cpu).expect("linear")
+        };
+        let (gate_up, down) = (weights(2 * ffn, hidden, 1), weights(hidden, ffn, 2));
+        let h: Vec<f32> = (0..rows * hidden).map(|i| ((i * 31 % 97) as f32 / 97.0 - 0.5) * 2.0).collect();
+        let h = Tensor::from_vec(h, (rows, hidden), &Device::Cpu).expect("h");
+        let whole = mlp_rows(&gate_up, &down, &h, ffn, Activation::Silu).expect("whole");
+        let sliced = mlp_in_slices(&gate_up, &down, &h, ffn, Activation::Silu, 64).expect("sliced");
+        assert_eq!(sliced.dims(), whole.dims());
+        let diff = (sliced - &whole).expect("sub").abs().expect("abs").max_all().expect("max");
+        let scale = whole.abs().expect("abs").max_all().expect("max").to_scalar::<f32>().expect("scalar");
+        assert!(diff.to_scalar::<f32>().expect("scalar") <= 1e-5 * scale.max(1.0), "slices differ from the whole");
+        // Llama-3.2-1B (ffn 8,192): 128 rows, 8 MiB of gate/up; a narrow MLP takes more rows.
+        assert_eq!(mlp_slice_rows(8192), 128);
+        assert_eq!(mlp_slice_rows(14336), 72);
+        assert_eq!(mlp_slice_rows(1536), 680);
+    }
 
     /// A Q4_K or Q6_K matrix under the default `wq` keeps its blocks (candle's kernels)
     /// instead of being widened to f16, and multiplies as its dequantized values do (up to
