@@ -34,7 +34,7 @@ use pd_telemetry::opentelemetry::Context;
 use pd_telemetry::{RequestClass, StageLabels, StageSpan};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::UnboundedReceiverStream;
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response, Status, Streaming};
 
 use crate::batch::{event, Admission, Event, Fork, Received, Start};
 use crate::batcher::Batcher;
@@ -399,12 +399,29 @@ impl DecodeWorker for DecodeService {
     }
 
     async fn load(&self, request: Request<pb::LoadRequest>) -> Result<Response<pb::DecodeLoad>, Status> {
+        self.load_now(request.get_ref()).map(Response::new)
+    }
+
+    type LoadStreamStream = pd_proto::LoadAnswers<pb::DecodeLoad>;
+
+    async fn load_stream(
+        &self,
+        request: Request<Streaming<pb::LoadRequest>>,
+    ) -> Result<Response<Self::LoadStreamStream>, Status> {
+        let this = self.clone();
+        Ok(Response::new(pd_proto::answer_loads(request.into_inner(), move |r| this.load_now(r))))
+    }
+}
+
+impl DecodeService {
+    /// This worker's load, with its prefix-cache events after `request`'s cursor.
+    fn load_now(&self, request: &pb::LoadRequest) -> Result<pb::DecodeLoad, Status> {
         if self.stopping.load(Ordering::Relaxed) {
             // The router's choice skips workers whose load query fails.
             return Err(DecodeError::ShuttingDown.to_status());
         }
         let blocks = self.engine.blocks();
-        Ok(Response::new(pb::DecodeLoad {
+        Ok(pb::DecodeLoad {
             free_blocks: blocks.free_blocks() as u32,
             total_blocks: blocks.total_blocks() as u32,
             running_sequences: self.batcher.running() as u32,
@@ -413,7 +430,7 @@ impl DecodeWorker for DecodeService {
             block_size: blocks.block_size() as u32,
             max_batch: self.batcher.max_batch() as u32,
             step_ms: self.batcher.step_ms(),
-            cache: pd_kv_transfer::convert::cache_events(blocks, request.get_ref()),
-        }))
+            cache: pd_kv_transfer::convert::cache_events(blocks, request),
+        })
     }
 }

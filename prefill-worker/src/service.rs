@@ -19,7 +19,7 @@ use pd_proto::v1 as pb;
 use pd_telemetry::metrics::PrefillMetrics;
 use pd_telemetry::opentelemetry::{Context, KeyValue};
 use pd_telemetry::{RequestClass, StageLabels, StageSpan};
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::PrefillError;
 use crate::gauges::{Counted, Gauges};
@@ -290,17 +290,34 @@ impl PrefillWorker for PrefillService {
     }
 
     async fn load(&self, request: Request<pb::LoadRequest>) -> Result<Response<pb::PrefillLoad>, Status> {
+        self.load_now(request.get_ref()).map(Response::new)
+    }
+
+    type LoadStreamStream = pd_proto::LoadAnswers<pb::PrefillLoad>;
+
+    async fn load_stream(
+        &self,
+        request: Request<Streaming<pb::LoadRequest>>,
+    ) -> Result<Response<Self::LoadStreamStream>, Status> {
+        let this = self.clone();
+        Ok(Response::new(pd_proto::answer_loads(request.into_inner(), move |r| this.load_now(r))))
+    }
+}
+
+impl PrefillService {
+    /// This worker's load, with its prefix-cache events after `request`'s cursor.
+    fn load_now(&self, request: &pb::LoadRequest) -> Result<pb::PrefillLoad, Status> {
         if self.stopping.load(Ordering::Relaxed) {
             // The router's choice skips workers whose load query fails.
             return Err(PrefillError::ShuttingDown.to_status());
         }
-        Ok(Response::new(pb::PrefillLoad {
+        Ok(pb::PrefillLoad {
             waiting_prefill_tokens: self.gauges.waiting_tokens.load(Ordering::Relaxed),
             running_prefills: self.gauges.running.load(Ordering::Relaxed),
             queued_prefills: self.gauges.queued.load(Ordering::Relaxed),
             prefill_tokens_per_s: self.steps.tokens_per_s(),
             max_partial_prefills: self.config.step.max_prompts as u32,
-            cache: pd_kv_transfer::convert::cache_events(self.engine.blocks(), request.get_ref()),
-        }))
+            cache: pd_kv_transfer::convert::cache_events(self.engine.blocks(), request),
+        })
     }
 }

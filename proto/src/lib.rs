@@ -9,6 +9,22 @@ pub mod v1 {
 
 pub mod tls;
 
+/// The answer of a worker's `LoadStream`: one load per request read, in order.
+pub type LoadAnswers<T> =
+    std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<T, tonic::Status>> + Send + 'static>>;
+
+/// Serves `LoadStream`: each `LoadRequest` read from `requests` answered with `load` of it, as
+/// the unary `Load` answers it. An error (a worker shutting down) ends the stream with that
+/// status; the router then counts the worker as gone for the round, as with a failed `Load`.
+pub fn answer_loads<T, F>(requests: tonic::Streaming<v1::LoadRequest>, mut load: F) -> LoadAnswers<T>
+where
+    T: Send + 'static,
+    F: FnMut(&v1::LoadRequest) -> Result<T, tonic::Status> + Send + 'static,
+{
+    use tokio_stream::StreamExt;
+    Box::pin(requests.map(move |request| request.and_then(|r| load(&r))))
+}
+
 /// Encoded file descriptors of every pd.v1 proto, for gRPC server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/pd_descriptor.bin"));
 

@@ -728,3 +728,35 @@ fn a_chat_template_file_replaces_the_models_own_or_is_refused_by_name() {
     assert!(err.contains("--chat-template") && err.contains("does not compile"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test]
+async fn loads_reach_the_router_on_streams_and_from_older_workers_without_them() {
+    // One prefill worker serves `LoadStream`; the other only `Load`, as an older binary during
+    // a rolling upgrade. The load of each steers the choice, whichever of them is busy.
+    for older_is_busy in [true, false] {
+        let commits = Commits::default();
+        let decode = FakeDecode::new(100, &commits);
+        let mut older = FakePrefill::new(&commits);
+        older.load_stream = false;
+        let mut newer = FakePrefill::new(&commits);
+        if older_is_busy {
+            older.waiting_tokens = 10_000;
+        } else {
+            newer.waiting_tokens = 10_000;
+        }
+        let prefill = vec![serve_prefill(older.clone()).await, serve_prefill(newer.clone()).await];
+        let router = start_router(prefill, vec![serve_decode(decode).await]).await;
+        // Several rounds: the stream stays open and answers each of them.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while newer.loads_streamed.load(Ordering::SeqCst) < 3 || older.loads_once.load(Ordering::SeqCst) < 3 {
+            assert!(Instant::now() < deadline, "fewer than 3 refresh rounds in 10 s");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let whole: Value = chat(&router, hello(3, false)).await.json().await.expect("json");
+        assert_eq!(whole["choices"][0]["message"]["content"], "Hello, world");
+        let chosen = (older.requests.load(Ordering::SeqCst), newer.requests.load(Ordering::SeqCst));
+        assert_eq!(chosen, if older_is_busy { (0, 1) } else { (1, 0) }, "the idle worker prefills");
+        assert_eq!(older.loads_streamed.load(Ordering::SeqCst), 0);
+        assert_eq!(newer.loads_once.load(Ordering::SeqCst), 0, "the stream answered every round");
+    }
+}

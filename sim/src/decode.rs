@@ -505,9 +505,26 @@ impl pb::decode_worker_server::DecodeWorker for SimDecode {
     }
 
     async fn load(&self, _: Request<pb::LoadRequest>) -> Result<Response<pb::DecodeLoad>, Status> {
+        self.load_now().map(Response::new)
+    }
+
+    type LoadStreamStream = pd_proto::LoadAnswers<pb::DecodeLoad>;
+
+    async fn load_stream(
+        &self,
+        request: Request<Streaming<pb::LoadRequest>>,
+    ) -> Result<Response<Self::LoadStreamStream>, Status> {
+        self.check_alive()?;
+        let this = self.clone();
+        Ok(Response::new(pd_proto::answer_loads(request.into_inner(), move |_| this.load_now())))
+    }
+}
+
+impl SimDecode {
+    fn load_now(&self) -> Result<pb::DecodeLoad, Status> {
         self.check_alive()?;
         let s = self.lock();
-        Ok(Response::new(load_of(&self.cost, s.free_blocks, s.running.len(), s.pending.len(), s.step_ms)))
+        Ok(load_of(&self.cost, s.free_blocks, s.running.len(), s.pending.len(), s.step_ms))
     }
 }
 

@@ -25,7 +25,7 @@ use pd_prefill::steps::short_prompt_rate;
 use pd_proto::v1 as pb;
 use tokio::sync::{mpsc, oneshot, Notify};
 use tonic::transport::Channel;
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response, Status, Streaming};
 
 use crate::cost::WorkerCost;
 use crate::kv::Handoffs;
@@ -364,9 +364,26 @@ impl pb::prefill_worker_server::PrefillWorker for SimPrefill {
     }
 
     async fn load(&self, _: Request<pb::LoadRequest>) -> Result<Response<pb::PrefillLoad>, Status> {
+        self.load_now().map(Response::new)
+    }
+
+    type LoadStreamStream = pd_proto::LoadAnswers<pb::PrefillLoad>;
+
+    async fn load_stream(
+        &self,
+        request: Request<Streaming<pb::LoadRequest>>,
+    ) -> Result<Response<Self::LoadStreamStream>, Status> {
+        self.check_alive()?;
+        let this = self.clone();
+        Ok(Response::new(pd_proto::answer_loads(request.into_inner(), move |_| this.load_now())))
+    }
+}
+
+impl SimPrefill {
+    fn load_now(&self) -> Result<pb::PrefillLoad, Status> {
         self.check_alive()?;
         let s = self.lock();
         let rate = f64::from_bits(self.rate.load(Ordering::Relaxed));
-        Ok(Response::new(load_of(&self.step, s.jobs.iter().map(|j| (j.len, j.done)), rate)))
+        Ok(load_of(&self.step, s.jobs.iter().map(|j| (j.len, j.done)), rate))
     }
 }

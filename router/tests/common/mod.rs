@@ -16,7 +16,7 @@ use pd_proto::v1 as pb;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response, Status, Streaming};
 
 pub fn model_path() -> PathBuf {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
@@ -147,14 +147,29 @@ impl DecodeWorker for FakeDecode {
     }
 
     async fn load(&self, _: Request<pb::LoadRequest>) -> Result<Response<pb::DecodeLoad>, Status> {
-        let load = pb::DecodeLoad {
+        Ok(Response::new(self.load_now()))
+    }
+
+    type LoadStreamStream = pd_proto::LoadAnswers<pb::DecodeLoad>;
+
+    async fn load_stream(
+        &self,
+        request: Request<Streaming<pb::LoadRequest>>,
+    ) -> Result<Response<Self::LoadStreamStream>, Status> {
+        let this = self.clone();
+        Ok(Response::new(pd_proto::answer_loads(request.into_inner(), move |_| Ok(this.load_now()))))
+    }
+}
+
+impl FakeDecode {
+    fn load_now(&self) -> pb::DecodeLoad {
+        pb::DecodeLoad {
             free_blocks: self.free_blocks,
             total_blocks: 1024,
             block_size: 16,
             max_batch: 64,
             ..Default::default()
-        };
-        Ok(Response::new(load))
+        }
     }
 }
 
@@ -170,6 +185,11 @@ pub struct FakePrefill {
     pub hold: Duration,
     /// The `x-pd-class` of every request, in arrival order.
     pub classes: Arc<Mutex<Vec<String>>>,
+    /// Serves `LoadStream` (false: only `Load`, as an older worker).
+    pub load_stream: bool,
+    /// Loads answered: with `Load`, and on `LoadStream`.
+    pub loads_once: Arc<AtomicUsize>,
+    pub loads_streamed: Arc<AtomicUsize>,
 }
 
 impl FakePrefill {
@@ -182,7 +202,15 @@ impl FakePrefill {
             requests: Arc::default(),
             hold: Duration::ZERO,
             classes: Arc::default(),
+            load_stream: true,
+            loads_once: Arc::default(),
+            loads_streamed: Arc::default(),
         }
+    }
+
+    fn load_now(&self) -> pb::PrefillLoad {
+        // One prompt at a time, so the router's queue decides who goes next.
+        pb::PrefillLoad { waiting_prefill_tokens: self.waiting_tokens, max_partial_prefills: 1, ..Default::default() }
     }
 }
 
@@ -217,13 +245,24 @@ impl PrefillWorker for FakePrefill {
     }
 
     async fn load(&self, _: Request<pb::LoadRequest>) -> Result<Response<pb::PrefillLoad>, Status> {
-        // One prompt at a time, so the router's queue decides who goes next.
-        let load = pb::PrefillLoad {
-            waiting_prefill_tokens: self.waiting_tokens,
-            max_partial_prefills: 1,
-            ..Default::default()
-        };
-        Ok(Response::new(load))
+        self.loads_once.fetch_add(1, Ordering::SeqCst);
+        Ok(Response::new(self.load_now()))
+    }
+
+    type LoadStreamStream = pd_proto::LoadAnswers<pb::PrefillLoad>;
+
+    async fn load_stream(
+        &self,
+        request: Request<Streaming<pb::LoadRequest>>,
+    ) -> Result<Response<Self::LoadStreamStream>, Status> {
+        if !self.load_stream {
+            return Err(Status::unimplemented("pd.v1.PrefillWorker/LoadStream"));
+        }
+        let this = self.clone();
+        Ok(Response::new(pd_proto::answer_loads(request.into_inner(), move |_| {
+            this.loads_streamed.fetch_add(1, Ordering::SeqCst);
+            Ok(this.load_now())
+        })))
     }
 }
 
