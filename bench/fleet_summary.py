@@ -132,7 +132,7 @@ if scale_cpu:
     print("simulated prefill step takes 1 ms and a decode step 5 ms, so the client's TTFT is the router's path")
     print("(HTTP in, decode reservation, prefill call, KV header and commit between the simulated workers,")
     print("first token out) plus 1 ms. Router CPU per request is its CPU time during the run / requests; idle")
-    print("CPU is its background work (polling every worker's Load every 100 ms, or less often with more than 200 workers: `--max-load-calls-per-s`).\n")
+    print("CPU is its background work (a load query to every worker every 100 ms on the `LoadStream` it keeps open to each, or less often with more than 200 workers: `--max-load-calls-per-s`).\n")
     print("| workers | requests | errors | client TTFT p50 / p99 ms | ITL p50 / p99 ms | router CPU ms per request | router CPU idle |")
     print("|---|---|---|---|---|---|---|")
     for n in sorted(scale_cpu):
@@ -156,6 +156,8 @@ if scale_cpu:
         per_req = "-" if closed is None else f"{float(closed) * 1e3 / max(r['requests'], 1):.3f}"
         print(f"| {n} | **{rps:,.0f}** | {r['requests']} | {r['errors']} | {fmt(q(r, 'ttft_ms', 'p50'))} / "
               f"{fmt(q(r, 'ttft_ms', 'p99'))} | {per_req} |")
+    print("\nThese figures move with the machine and its neighbours by more than most changes do; router")
+    print("binaries are compared before and after in `router-cpu.md`, alternating on one machine.")
     print()
 
 dis, col, planned = summary("goodput-disagg"), summary("goodput-colocated"), summary("goodput-planned")
