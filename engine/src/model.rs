@@ -199,20 +199,24 @@ pub struct Model {
     fingerprint: u64,
 }
 
+/// The first `rows` rows of `t` in storage of their own, so the rest is freed with `t`.
+/// (candle's `copy` of a narrowed view clones the whole storage behind it: the rotary
+/// tables of a 131,072-position model stayed 32 MiB after being "trimmed".)
+fn first_rows(t: &Tensor, rows: usize) -> Result<Tensor> {
+    Ok(match t.dim(0)? {
+        all if all > rows => t.narrow(0, 0, rows)?.force_contiguous()?,
+        _ => t.clone(),
+    })
+}
+
 impl Model {
     /// Keeps the rotary tables for the first `positions` positions only: no sequence of a
     /// KV pool of `positions` slots goes further. At a 131,072-token context the full tables
     /// take 32 MiB (head width 64), more than the KV pool of a small deployment.
     pub(crate) fn limit_positions(&mut self, positions: usize) -> Result<()> {
-        let trim = |t: &Tensor| -> Result<Tensor> {
-            Ok(match t.dim(0)? {
-                rows if rows > positions => t.narrow(0, 0, positions)?.copy()?,
-                _ => t.clone(),
-            })
-        };
-        (self.cos, self.sin) = (trim(&self.cos)?, trim(&self.sin)?);
+        (self.cos, self.sin) = (first_rows(&self.cos, positions)?, first_rows(&self.sin, positions)?);
         if let Some((cos, sin)) = &self.local_rope {
-            self.local_rope = Some((trim(cos)?, trim(sin)?));
+            self.local_rope = Some((first_rows(cos, positions)?, first_rows(sin, positions)?));
         }
         Ok(())
     }
@@ -707,6 +711,24 @@ pub(crate) fn fnv1a64(data: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Trimmed rotary tables hold only the kept rows, in storage of their own.
+    #[test]
+    fn trimmed_tables_free_the_rows_they_drop() {
+        let t = Tensor::arange(0f32, 4096.0, &Device::Cpu).expect("arange").reshape((1024, 4)).expect("reshape");
+        let kept = first_rows(&t, 10).expect("trim");
+        assert_eq!(kept.dims(), &[10, 4]);
+        assert_eq!(
+            kept.flatten_all().expect("flat").to_vec1::<f32>().expect("v"),
+            (0..40).map(|i| i as f32).collect::<Vec<_>>()
+        );
+        let stored = match &*kept.storage_and_layout().0 {
+            candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => v.len(),
+            other => panic!("unexpected storage {:?}", other.dtype()),
+        };
+        assert_eq!(stored, 40, "the trimmed table still holds the dropped rows");
+        assert_eq!(first_rows(&t, 2048).expect("no trim").dims(), &[1024, 4]);
+    }
 
     /// A long MLP input run in slices of rows equals the whole run (`wq` weights, a last
     /// slice shorter than the others), and the slice size keeps the gate/up product bounded.
