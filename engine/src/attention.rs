@@ -221,22 +221,19 @@ fn gathered_attention_in_tiles(
     let ctx = inputs.slots.dim(0)?;
     let (k, v) = cache.gather_stored(layer, &inputs.slots)?;
     let (k, v) = (k.reshape((ctx, num_kv_heads, head_dim))?, v.reshape((ctx, num_kv_heads, head_dim))?);
-    // [n, nh*hd] -> [kvh, n*group, hd], row i*group + g: a tile of query rows is a contiguous
-    // range of rows, every head of the group included. Scaled here, on fewer values than the
-    // scores.
+    // A KV head's query group is a contiguous range of columns of q, [n, group*hd], which is
+    // [n*group, hd] with row i*group + g: a tile of query rows is a contiguous range of rows,
+    // every head of the group included. Scaled per head, on fewer values than the scores,
+    // and only one head's copy alive at a time.
     let scale = 1.0 / (head_dim as f64).sqrt();
-    let q = (q.reshape((n, num_kv_heads, group, head_dim))?.transpose(0, 1)?.contiguous()? * scale)?.reshape((
-        num_kv_heads,
-        n * group,
-        head_dim,
-    ))?;
     let mask = inputs.mask.reshape((n, 1, ctx))?;
     let tile = tile.max(1);
     let mut outs = Vec::with_capacity(num_kv_heads);
     for h in 0..num_kv_heads {
         let widen = |t: &Tensor| -> Result<Tensor> { Ok(t.narrow(1, h, 1)?.squeeze(1)?.to_dtype(DType::F32)?) };
         let (kt, vh) = (widen(&k)?.t()?, widen(&v)?.contiguous()?); // [hd, ctx], [ctx, hd]
-        let qh = q.get(h)?;
+        let qh = (q.narrow(1, h * group * head_dim, group * head_dim)?.contiguous()? * scale)?
+            .reshape((n * group, head_dim))?;
         let mut tiles = Vec::with_capacity(n.div_ceil(tile));
         for first in (0..n).step_by(tile) {
             let rows = tile.min(n - first);
@@ -248,14 +245,11 @@ fn gathered_attention_in_tiles(
             let probs = candle_nn::ops::softmax_last_dim(&scores)?.reshape((rows * group, ctx))?;
             tiles.push(probs.matmul(&vh)?); // [rows*group, hd]
         }
-        outs.push(if tiles.len() == 1 { tiles.remove(0) } else { Tensor::cat(&tiles, 0)? });
+        let out = if tiles.len() == 1 { tiles.remove(0) } else { Tensor::cat(&tiles, 0)? };
+        outs.push(out.reshape((n, group * head_dim))?);
     }
-    let out = Tensor::stack(&outs, 0)?; // [kvh, n*group, hd]
-    Ok(out
-        .reshape((num_kv_heads, n, group, head_dim))?
-        .transpose(0, 1)?
-        .contiguous()?
-        .reshape((n, num_heads * head_dim))?)
+    // Each head's [n, group*hd] is its columns of the output: one copy into place.
+    Ok(Tensor::cat(&outs, 1)?)
 }
 
 /// Decode attention on CUDA straight from the cache blocks: `[which.len(), width]`.
