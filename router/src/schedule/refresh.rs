@@ -99,10 +99,11 @@ impl<T> Default for Links<T> {
 }
 
 /// The next answer on an open stream, after sending `request`.
-async fn ask_stream<T>(link: &mut Link<T>, request: pb::LoadRequest) -> Result<T, Status> {
-    let Link::Stream { requests, answers } = link else {
-        return Err(Status::internal("not a stream"));
-    };
+async fn ask_stream<T>(
+    requests: &mpsc::Sender<pb::LoadRequest>,
+    answers: &mut Streaming<T>,
+    request: pb::LoadRequest,
+) -> Result<T, Status> {
     requests.send(request).await.map_err(|_| Status::unavailable("load stream closed"))?;
     answers.message().await?.ok_or_else(|| Status::unavailable("load stream ended"))
 }
@@ -136,17 +137,15 @@ async fn ask<C: LoadClient>(
     link: Option<Link<C::Load>>,
     request: pb::LoadRequest,
 ) -> (Option<Link<C::Load>>, Option<C::Load>) {
+    let connect = || pool.channel(addr).map(C::connect).map_err(|e| Status::unavailable(e.to_string()));
     let asked = async {
         match link {
-            Some(mut l @ Link::Stream { .. }) => ask_stream(&mut l, request).await.map(|load| (l, load)),
-            Some(Link::Unary) => {
-                let mut client = C::connect(pool.channel(addr).map_err(|e| Status::unavailable(e.to_string()))?);
-                client.once(request).await.map(|load| (Link::Unary, load))
+            Some(Link::Stream { requests, mut answers }) => {
+                let load = ask_stream(&requests, &mut answers, request).await?;
+                Ok((Link::Stream { requests, answers }, load))
             }
-            None => {
-                let mut client = C::connect(pool.channel(addr).map_err(|e| Status::unavailable(e.to_string()))?);
-                open_stream(&mut client, request).await
-            }
+            Some(Link::Unary) => connect()?.once(request).await.map(|load| (Link::Unary, load)),
+            None => open_stream(&mut connect()?, request).await,
         }
     };
     match tokio::time::timeout(LOAD_TIMEOUT, asked).await {
