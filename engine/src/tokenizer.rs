@@ -1,6 +1,7 @@
 //! Text <-> token ids. For GGUF checkpoints the tokenizer is built from the file's own
-//! metadata: byte-level BPE vocabularies (`gpt2`: vocab and merges, digits split one by one,
-//! control tokens special), which reproduces llama.cpp's ids, and SentencePiece vocabularies
+//! metadata: byte-level BPE vocabularies (`gpt2`: vocab and merges, the text split as the
+//! file's `tokenizer.ggml.pre` names (`pre`), control tokens special), which reproduces
+//! llama.cpp's and transformers' ids, and SentencePiece vocabularies
 //! (`llama`: Llama 2, Mistral, Phi-3, Gemma), built the way Hugging Face transformers converts
 //! them (a BPE with byte fallback whose merges come from the token scores). For Hugging Face
 //! folders it is read from tokenizer.json.
@@ -16,17 +17,14 @@ use tokenizers::decoders::sequence::Sequence as DecoderSequence;
 use tokenizers::decoders::strip::Strip;
 use tokenizers::models::bpe::BPE;
 use tokenizers::normalizers::{Prepend, Replace};
-use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
-use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::Split;
-use tokenizers::{
-    AddedToken, DecoderWrapper, ModelWrapper, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior,
-};
+use tokenizers::{AddedToken, DecoderWrapper, ModelWrapper, NormalizerWrapper, SplitDelimiterBehavior};
 
 use crate::constraint::Grammars;
 use crate::error::{EngineError, Result};
+
+mod pre;
 
 /// GGUF token type of control tokens (`<|im_start|>`, ...).
 const GGUF_TOKEN_CONTROL: i32 = 3;
@@ -65,6 +63,8 @@ impl Tokenizer {
                 )))
             }
         }
+        let pre_name = metadata.get(pre::KEY).map(|v| v.to_string().map_err(tok_err)).transpose()?;
+        let splitting = pre::byte_level(pre_name.map(String::as_str))?;
         let tokens: Vec<String> = get("tokenizer.ggml.tokens")?
             .to_vec()
             .map_err(tok_err)?
@@ -90,10 +90,16 @@ impl Tokenizer {
         };
         let vocab: tokenizers::models::bpe::Vocab =
             tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(tok_err)?;
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .ignore_merges(splitting.ignore_merges)
+            .build()
+            .map_err(tok_err)?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
-        let pre: Vec<PreTokenizerWrapper> = vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()];
-        inner.with_pre_tokenizer(Some(Sequence::new(pre)));
+        if let Some(normalizer) = splitting.normalizer {
+            inner.with_normalizer(Some(normalizer)).map_err(tok_err)?;
+        }
+        inner.with_pre_tokenizer(Some(splitting.pre_tokenizer));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
         let special: Vec<AddedToken> = tokens
             .iter()
@@ -483,6 +489,42 @@ mod tests {
         metadata.insert("tokenizer.ggml.model".to_string(), Value::String("bert".to_string()));
         let err = Tokenizer::from_gguf(&metadata).expect_err("refused").to_string();
         assert!(err.contains("`bert` is not supported"), "{err}");
+    }
+
+    /// A byte-level BPE vocabulary of the digits 1-5 with the merges "1 2", "12 3" and
+    /// "4 5", split as `pre` names.
+    fn gpt2_metadata(pre: Option<&str>) -> HashMap<String, Value> {
+        let mut m = HashMap::from([
+            ("tokenizer.ggml.model".to_string(), Value::String("gpt2".to_string())),
+            ("tokenizer.ggml.tokens".to_string(), strings(&["1", "2", "3", "4", "5", "12", "123", "45"])),
+            ("tokenizer.ggml.merges".to_string(), strings(&["1 2", "12 3", "4 5"])),
+        ]);
+        if let Some(pre) = pre {
+            m.insert("tokenizer.ggml.pre".to_string(), Value::String(pre.to_string()));
+        }
+        m
+    }
+
+    #[test]
+    fn byte_level_vocabularies_split_as_their_file_says() {
+        let ids =
+            |pre| Tokenizer::from_gguf(&gpt2_metadata(Some(pre))).expect("builds").encode("12345").expect("encodes");
+        // Llama 3 keeps up to three digits together before merging; Qwen and SmolLM split
+        // every digit, so no merge applies.
+        assert_eq!(ids("llama-bpe"), [6, 7]);
+        assert_eq!(ids("qwen2"), [0, 1, 2, 3, 4]);
+        assert_eq!(ids("smollm"), [0, 1, 2, 3, 4]);
+        let err = Tokenizer::from_gguf(&gpt2_metadata(None)).expect_err("refused").to_string();
+        assert!(err.contains("tokenizer.ggml.pre"), "{err}");
+
+        // A piece that is a token is taken whole by Llama 3 (tiktoken's rule), merged up to by
+        // Qwen: here "b c" merges first and nothing joins "a" to "bc".
+        let mut m = gpt2_metadata(Some("llama-bpe"));
+        m.insert("tokenizer.ggml.tokens".to_string(), strings(&["a", "b", "c", "bc", "abc"]));
+        m.insert("tokenizer.ggml.merges".to_string(), strings(&["b c"]));
+        assert_eq!(Tokenizer::from_gguf(&m).expect("builds").encode("abc").expect("encodes"), [4]);
+        m.insert("tokenizer.ggml.pre".to_string(), Value::String("qwen2".to_string()));
+        assert_eq!(Tokenizer::from_gguf(&m).expect("builds").encode("abc").expect("encodes"), [0, 3]);
     }
 
     #[test]

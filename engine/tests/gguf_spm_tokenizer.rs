@@ -8,6 +8,8 @@
 //! ids of each input, one line each, without BOS (llama.cpp's test-tokenizer-0 tokenizes with
 //! `add_special = false`, and so does `Tokenizer::encode`).
 
+mod common;
+
 use std::path::PathBuf;
 
 use candle_core::quantized::gguf_file::Value;
@@ -23,30 +25,9 @@ fn phi3() -> Tokenizer {
     Tokenizer::from_gguf(file.metadata()).expect("build the tokenizer")
 }
 
-/// llama.cpp's test cases, split as tests/test-tokenizer-0.cpp splits them.
+/// llama.cpp's test cases for the Phi-3 vocabulary.
 fn cases() -> Vec<(String, Vec<u32>)> {
-    let path = phi3_path();
-    let raw = std::fs::read_to_string(path.with_extension("gguf.inp")).expect(".inp");
-    let out = std::fs::read_to_string(path.with_extension("gguf.out")).expect(".out");
-    let sep = "\n__ggml_vocab_test__\n";
-    let mut inputs = Vec::new();
-    let mut pos = 0;
-    while pos < raw.len() {
-        match raw[pos..].find(sep) {
-            Some(next) => {
-                inputs.push(raw[pos..pos + next].to_string());
-                pos += next + sep.len();
-            }
-            None => {
-                inputs.push(raw[pos..].to_string());
-                break;
-            }
-        }
-    }
-    let outputs: Vec<Vec<u32>> =
-        out.lines().map(|l| l.split_whitespace().map(|t| t.parse().expect("an id")).collect()).collect();
-    assert_eq!(inputs.len(), outputs.len(), "as many inputs as outputs");
-    inputs.into_iter().zip(outputs).collect()
+    common::llama_cpp_vocab_cases(&phi3_path())
 }
 
 #[test]

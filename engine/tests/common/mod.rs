@@ -160,6 +160,7 @@ pub fn write_gguf(
         (format!("{arch}.rope.freq_base"), Value::F32(config.rope_theta)),
         (format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(config.rms_norm_eps as f32)),
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String("smollm".into())),
         ("tokenizer.ggml.tokens".into(), Value::Array(tokens)),
         ("tokenizer.ggml.merges".into(), Value::Array(Vec::new())),
         ("tokenizer.ggml.eos_token_id".into(), Value::U32(63)),
@@ -217,4 +218,31 @@ pub fn run_alone(
         last = Some(out.squeeze(0).expect("row"));
     }
     last.expect("at least one chunk")
+}
+
+/// llama.cpp's tokenizer test cases beside a vocabulary file `gguf` (`<gguf>.inp`, `<gguf>.out`),
+/// split as its tests/test-tokenizer-0.cpp splits them.
+pub fn llama_cpp_vocab_cases(gguf: &Path) -> Vec<(String, Vec<u32>)> {
+    let path = gguf;
+    let raw = std::fs::read_to_string(path.with_extension("gguf.inp")).expect(".inp");
+    let out = std::fs::read_to_string(path.with_extension("gguf.out")).expect(".out");
+    let sep = "\n__ggml_vocab_test__\n";
+    let mut inputs = Vec::new();
+    let mut pos = 0;
+    while pos < raw.len() {
+        match raw[pos..].find(sep) {
+            Some(next) => {
+                inputs.push(raw[pos..pos + next].to_string());
+                pos += next + sep.len();
+            }
+            None => {
+                inputs.push(raw[pos..].to_string());
+                break;
+            }
+        }
+    }
+    let outputs: Vec<Vec<u32>> =
+        out.lines().map(|l| l.split_whitespace().map(|t| t.parse().expect("an id")).collect()).collect();
+    assert_eq!(inputs.len(), outputs.len(), "as many inputs as outputs");
+    inputs.into_iter().zip(outputs).collect()
 }
