@@ -38,6 +38,9 @@ pub struct Tokenizer {
     /// Ids that end generation unless the request says otherwise.
     eos_ids: Vec<u32>,
     bos_id: Option<u32>,
+    /// Whether a raw prompt (`encode_prompt`) starts with BOS, as transformers' `add_special_tokens`
+    /// and llama.cpp's `add_bos` put it there: Llama, Gemma, Mistral yes; Qwen, SmolLM no.
+    add_bos: bool,
     /// Structured-output compiler for this vocabulary, built on first use and shared by every
     /// clone (`grammars`).
     grammars: std::sync::Arc<std::sync::OnceLock<std::result::Result<Grammars, String>>>,
@@ -110,7 +113,9 @@ impl Tokenizer {
         inner.add_special_tokens(special).map_err(tok_err)?;
         let id = |key: &str| metadata.get(key).and_then(|v| v.to_u32().ok());
         let eos_ids = end_of_generation_ids(metadata, &tokens);
-        Ok(Tokenizer { inner, eos_ids, bos_id: id("tokenizer.ggml.bos_token_id"), grammars: Default::default() })
+        let bos_id = id("tokenizer.ggml.bos_token_id");
+        let add_bos = gguf_add_bos(metadata, splitting.add_bos) && bos_id.is_some();
+        Ok(Tokenizer { inner, eos_ids, bos_id, add_bos, grammars: Default::default() })
     }
 
     /// A SentencePiece vocabulary (`tokenizer.ggml.model == "llama"`), converted as transformers'
@@ -248,14 +253,17 @@ impl Tokenizer {
         inner.add_tokens(user).map_err(tok_err)?;
 
         let eos_ids = end_of_generation_ids(metadata, &file_tokens);
-        Ok(Tokenizer { inner, eos_ids, bos_id: id("tokenizer.ggml.bos_token_id"), grammars: Default::default() })
+        let bos_id = id("tokenizer.ggml.bos_token_id");
+        // llama.cpp's default for SentencePiece vocabularies: BOS first.
+        let add_bos = gguf_add_bos(metadata, true) && bos_id.is_some();
+        Ok(Tokenizer { inner, eos_ids, bos_id, add_bos, grammars: Default::default() })
     }
 
     /// Reads a Hugging Face `tokenizer.json`; `eos_ids` and `bos_id` come from config.json.
     pub fn from_file(path: &Path, eos_ids: Vec<u32>, bos_id: Option<u32>) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))?;
-        Ok(Tokenizer { inner, eos_ids, bos_id, grammars: Default::default() })
+        Ok(Self::from_inner(inner, eos_ids, bos_id))
     }
 
     /// Token ids of `text`. Special-token markup in the text (`<|im_start|>`) becomes the
@@ -263,6 +271,25 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let encoding = self.inner.encode(text, false).map_err(tok_err)?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Token ids of a raw prompt (a completion's `prompt`, not a rendered chat): `encode`, with
+    /// BOS first where the vocabulary starts its texts with it (`add_bos`) and the text does
+    /// not already begin with it (a prompt written out with its `<|begin_of_text|>` is not
+    /// given a second one).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids = self.encode(text)?;
+        if let Some(bos) = self.bos_id.filter(|_| self.add_bos) {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Whether `encode_prompt` puts BOS first.
+    pub fn adds_bos(&self) -> bool {
+        self.add_bos
     }
 
     /// Text of `ids`; special tokens are left out when `skip_special`.
@@ -298,9 +325,11 @@ impl Tokenizer {
         self.inner.save(path, false).map_err(tok_err)
     }
 
-    /// Wraps an already built `tokenizers` tokenizer.
+    /// Wraps an already built `tokenizers` tokenizer; a raw prompt starts with BOS when its
+    /// post-processor puts it there (tokenizer.json's `TemplateProcessing`, as Llama 3's).
     pub fn from_inner(inner: tokenizers::Tokenizer, eos_ids: Vec<u32>, bos_id: Option<u32>) -> Self {
-        Tokenizer { inner, eos_ids, bos_id, grammars: Default::default() }
+        let add_bos = bos_id.is_some_and(|bos| post_processor_adds_bos(&inner, bos));
+        Tokenizer { inner, eos_ids, bos_id, add_bos, grammars: Default::default() }
     }
 
     /// A tokenizer of 64 single characters (`a`-`z`, `A`-`Z`, `0`-`7`, space, `.`; `<s>` = 62,
@@ -319,7 +348,7 @@ impl Tokenizer {
         inner
             .add_special_tokens(vec![AddedToken::from("<s>", true), AddedToken::from("</s>", true)])
             .map_err(tok_err)?;
-        Ok(Tokenizer { inner, eos_ids: vec![63], bos_id: Some(62), grammars: Default::default() })
+        Ok(Tokenizer { inner, eos_ids: vec![63], bos_id: Some(62), add_bos: false, grammars: Default::default() })
     }
 
     /// The wrapped `tokenizers` tokenizer.
@@ -366,6 +395,20 @@ impl Tokenizer {
             Some(Ok(byte)) => Some(vec![byte]),
             _ => Some(token.replace('▁', " ").into_bytes()),
         }
+    }
+}
+
+/// A GGUF file's `tokenizer.ggml.add_bos_token`, or `default` where the file has none.
+fn gguf_add_bos(metadata: &HashMap<String, Value>, default: bool) -> bool {
+    metadata.get("tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(default)
+}
+
+/// Whether `inner`'s post-processor puts `bos` before a text (transformers'
+/// `add_special_tokens=True`).
+fn post_processor_adds_bos(inner: &tokenizers::Tokenizer, bos: u32) -> bool {
+    match (inner.encode("a", true), inner.encode("a", false)) {
+        (Ok(with), Ok(without)) => with.get_ids().first() == Some(&bos) && without.get_ids().first() != Some(&bos),
+        _ => false,
     }
 }
 
@@ -525,6 +568,29 @@ mod tests {
         assert_eq!(Tokenizer::from_gguf(&m).expect("builds").encode("abc").expect("encodes"), [4]);
         m.insert("tokenizer.ggml.pre".to_string(), Value::String("qwen2".to_string()));
         assert_eq!(Tokenizer::from_gguf(&m).expect("builds").encode("abc").expect("encodes"), [0, 3]);
+    }
+
+    #[test]
+    fn raw_prompts_start_with_bos_as_the_file_says() {
+        let mut m = gpt2_metadata(Some("llama-bpe"));
+        m.insert("tokenizer.ggml.tokens".to_string(), strings(&["1", "2", "3", "4", "5", "12", "123", "45", "<s>"]));
+        let types = [1, 1, 1, 1, 1, 1, 1, 1, GGUF_TOKEN_CONTROL];
+        m.insert("tokenizer.ggml.token_type".to_string(), Value::Array(types.iter().map(|&t| Value::I32(t)).collect()));
+        m.insert("tokenizer.ggml.bos_token_id".to_string(), Value::U32(8));
+        // Llama 3 starts texts with BOS (llama.cpp's rule for `llama-bpe`), once.
+        let llama3 = Tokenizer::from_gguf(&m).expect("builds");
+        assert_eq!(llama3.encode_prompt("45").expect("encodes"), [8, 7]);
+        assert_eq!(llama3.encode_prompt("<s>45").expect("encodes"), [8, 7], "written out: not doubled");
+        assert_eq!(llama3.encode("45").expect("encodes"), [7]);
+        // The file's own `add_bos_token` decides where it has one.
+        m.insert("tokenizer.ggml.add_bos_token".to_string(), Value::Bool(false));
+        assert_eq!(Tokenizer::from_gguf(&m).expect("builds").encode_prompt("45").expect("encodes"), [7]);
+        m.remove("tokenizer.ggml.add_bos_token");
+        m.insert("tokenizer.ggml.pre".to_string(), Value::String("qwen2".to_string()));
+        assert_eq!(Tokenizer::from_gguf(&m).expect("builds").encode_prompt("45").expect("encodes"), [3, 4]);
+        // SentencePiece: BOS unless the file says otherwise.
+        let spm = Tokenizer::from_gguf(&spm_metadata("llama")).expect("builds");
+        assert_eq!(spm.encode_prompt("hi").expect("encodes"), [1, 9]);
     }
 
     #[test]

@@ -31,6 +31,8 @@ fn check(name: &str) {
     assert!(path.exists(), "{} is missing: run bench/engine-vs-llamacpp.sh --build", path.display());
     let file = GgufFile::open(&path, &candle_core::Device::Cpu).expect("open the GGUF");
     let tok = Tokenizer::from_gguf(file.metadata()).expect("build the tokenizer");
+    // Llama 3 starts a raw prompt with BOS (llama.cpp's `add_bos` for it); Qwen and GPT-2 do not.
+    assert_eq!(tok.adds_bos(), name == "llama-bpe", "{name}");
     let cases = common::llama_cpp_vocab_cases(&path);
     let mut failures = Vec::new();
     for (text, want) in &cases {

@@ -420,7 +420,13 @@ fn tokenize(
             ("messages", prompt)
         }
     };
-    let tokens = text.tokenizer.encode(&prompt).map_err(|e| RouterError::invalid(field, e.to_string()))?;
+    // A raw prompt starts with BOS where the model's texts do (Llama, Gemma, Mistral), as
+    // transformers and llama.cpp tokenize it; a rendered chat has its template's own.
+    let tokens = match field {
+        "prompt" => text.tokenizer.encode_prompt(&prompt),
+        _ => text.tokenizer.encode(&prompt),
+    };
+    let tokens = tokens.map_err(|e| RouterError::invalid(field, e.to_string()))?;
     if tokens.is_empty() {
         return Err(RouterError::invalid(field, format!("`{field}` gives no tokens")));
     }

@@ -57,7 +57,7 @@ fn main() -> anyhow::Result<()> {
         .with_context(|| format!("loading {}", args.model.display()))?;
     eprintln!("loaded {} in {:.1}s", args.model.display(), started.elapsed().as_secs_f64());
     let prompt = if args.raw {
-        engine.tokenizer().encode(&args.prompt)?
+        engine.tokenizer().encode_prompt(&args.prompt)?
     } else {
         engine.chat_prompt(&[ChatMessage::new("user", &args.prompt)])?
     };

@@ -41,9 +41,13 @@ pub(super) struct Splitting {
     pub normalizer: Option<NormalizerWrapper>,
     pub pre_tokenizer: PreTokenizerWrapper,
     /// A piece that is itself in the vocabulary is taken whole, not merged up to (tiktoken's
-    /// rule, kept by the vocabularies converted from it: Llama 3, Tekken, o200k). Merging can
-    /// end elsewhere: Llama 3 spells " Việt" as one token, its merges as three.
+    /// rule, kept by Llama 3's and Tekken's tokenizer.json). Merging can end elsewhere: Llama 3
+    /// spells " Việt" as one token, its merges as three.
     pub ignore_merges: bool,
+    /// Whether a raw prompt starts with BOS when the file does not say
+    /// (`tokenizer.ggml.add_bos_token`): llama.cpp's rule, as Llama 3's and Tekken's
+    /// tokenizer.json put it there.
+    pub add_bos: bool,
 }
 
 /// How the vocabulary named `pre` splits text.
@@ -62,13 +66,14 @@ pub(super) fn byte_level(pre: Option<&str>) -> Result<Splitting> {
         let split = Split::new(SplitPattern::Regex(regex.into()), SplitDelimiterBehavior::Isolated, false);
         Ok(Sequence::new(vec![split.map_err(tok_err)?.into(), bytes_only().into()]).into())
     };
-    let (normalizer, pre_tokenizer, ignore_merges) = match name {
-        "smollm" => (None, Sequence::new(vec![Digits::new(true).into(), gpt2().into()]).into(), false),
-        "gpt-2" | "phi-2" => (None, gpt2().into(), false),
-        "llama-bpe" | "llama3" | "llama-v3" => (None, split(LLAMA3)?, true),
-        "qwen2" | "deepseek-r1-qwen" => (Some(NFC.into()), split(QWEN2)?, false),
-        "tekken" => (None, split(TEKKEN)?, true),
-        "gpt-4o" => (None, split(GPT4O)?, true),
+    // (normalizer, splitting, ignore_merges, add_bos) as llama.cpp sets them per name.
+    let (normalizer, pre_tokenizer, ignore_merges, add_bos) = match name {
+        "smollm" => (None, Sequence::new(vec![Digits::new(true).into(), gpt2().into()]).into(), false, false),
+        "gpt-2" | "phi-2" => (None, gpt2().into(), false, false),
+        "llama-bpe" | "llama3" | "llama-v3" => (None, split(LLAMA3)?, true, true),
+        "qwen2" | "deepseek-r1-qwen" => (Some(NFC.into()), split(QWEN2)?, false, false),
+        "tekken" => (None, split(TEKKEN)?, true, true),
+        "gpt-4o" => (None, split(GPT4O)?, false, false),
         other => {
             return Err(EngineError::Tokenizer(format!(
                 "`{KEY}` is `{other}`, a text splitting pd does not implement (it does: {})",
@@ -76,7 +81,7 @@ pub(super) fn byte_level(pre: Option<&str>) -> Result<Splitting> {
             )))
         }
     };
-    Ok(Splitting { normalizer, pre_tokenizer, ignore_merges })
+    Ok(Splitting { normalizer, pre_tokenizer, ignore_merges, add_bos })
 }
 
 #[cfg(test)]

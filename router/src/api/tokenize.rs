@@ -18,8 +18,9 @@ pub struct TokenizeRequest {
     pub messages: Option<Vec<Message>>,
     /// Chat only: end the rendering with the assistant's turn opening (default true).
     pub add_generation_prompt: Option<bool>,
-    /// Accepted for vLLM compatibility; must be false or absent: prompts are tokenized as
-    /// generation tokenizes them, without added special tokens.
+    /// BOS first where the model starts texts with it (vLLM's field; by default true for a
+    /// prompt, as a completion tokenizes it, and false for messages, whose template writes
+    /// its own).
     pub add_special_tokens: Option<bool>,
     /// Also return each token's text.
     pub return_token_strs: Option<bool>,
@@ -57,9 +58,6 @@ fn check_model(model: Option<&str>, served: &str) -> Result<(), RouterError> {
 
 pub fn tokenize(r: TokenizeRequest, text: &TextSide, served: &str) -> Result<TokenizeResponse, RouterError> {
     check_model(r.model.as_deref(), served)?;
-    if r.add_special_tokens == Some(true) {
-        return Err(RouterError::invalid("add_special_tokens", "`add_special_tokens` true is not supported"));
-    }
     let (field, prompt) = match (r.prompt, r.messages) {
         (Some(_), None) if r.chat_template_kwargs.is_some() => {
             return Err(RouterError::invalid("chat_template_kwargs", "`chat_template_kwargs` needs `messages`"));
@@ -73,7 +71,13 @@ pub fn tokenize(r: TokenizeRequest, text: &TextSide, served: &str) -> Result<Tok
         }
         _ => return Err(RouterError::invalid("prompt", "set exactly one of `prompt` and `messages`")),
     };
-    let tokens = text.tokenizer.encode(&prompt).map_err(|e| RouterError::invalid(field, e.to_string()))?;
+    // vLLM's defaults: a prompt's tokens as a completion gets them (BOS first where the model
+    // has one), a chat's as its template renders them.
+    let tokens = match r.add_special_tokens.unwrap_or(field == "prompt") {
+        true => text.tokenizer.encode_prompt(&prompt),
+        false => text.tokenizer.encode(&prompt),
+    };
+    let tokens = tokens.map_err(|e| RouterError::invalid(field, e.to_string()))?;
     let token_strs = r.return_token_strs.unwrap_or(false).then(|| {
         tokens.iter().map(|&id| String::from_utf8_lossy(&text.tokenizer.token_bytes(id)).into_owned()).collect()
     });

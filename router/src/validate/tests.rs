@@ -8,6 +8,20 @@ fn text() -> TextSide {
     TextSide { tokenizer: Tokenizer::characters().expect("tokenizer"), chat_template: None, max_position: 64 }
 }
 
+/// The character tokenizer with a BOS post-processor, as Llama's tokenizer.json has one.
+fn with_bos() -> TextSide {
+    use tokenizers::processors::template::TemplateProcessing;
+    let mut inner = Tokenizer::characters().expect("tokenizer").inner().clone();
+    let template = TemplateProcessing::builder()
+        .try_single("<s> $A")
+        .expect("template")
+        .special_tokens(vec![("<s>", 62)])
+        .build()
+        .expect("template");
+    inner.with_post_processor(Some(template));
+    TextSide { tokenizer: Tokenizer::from_inner(inner, vec![63], Some(62)), chat_template: None, max_position: 64 }
+}
+
 const LIMITS: Limits = Limits { max_tokens: 40, default_completion_tokens: 16, default_chat_tokens: 512, max_n: 4 };
 
 fn completion(prompt: &str) -> GenerateParams {
@@ -54,6 +68,22 @@ fn defaults_are_applied_once_for_every_kind() {
     chat_sized.input = Input::Prompt("abc".into());
     // The chat default (512) is capped by the context left: 64 - 3.
     assert_eq!(validate(chat_sized, &text(), "m", &LIMITS).expect("valid").params.max_tokens, 61);
+}
+
+#[test]
+fn a_raw_prompt_starts_with_bos_where_the_model_puts_one() {
+    assert!(with_bos().tokenizer.adds_bos() && !text().tokenizer.adds_bos());
+    let r = validate(completion("abc"), &with_bos(), "m", &LIMITS).expect("valid");
+    assert_eq!(r.prompt_tokens, vec![62, 0, 1, 2]);
+    // A prompt written out with its BOS does not get a second one.
+    let r = validate(completion("<s>abc"), &with_bos(), "m", &LIMITS).expect("valid");
+    assert_eq!(r.prompt_tokens, vec![62, 0, 1, 2]);
+    // Token ids are the caller's, as they are.
+    let mut ids = completion("x");
+    ids.input = Input::Tokens(vec![0, 1]);
+    assert_eq!(validate(ids, &with_bos(), "m", &LIMITS).expect("valid").prompt_tokens, vec![0, 1]);
+    // A vocabulary without it: none.
+    assert_eq!(validate(completion("abc"), &text(), "m", &LIMITS).expect("valid").prompt_tokens, vec![0, 1, 2]);
 }
 
 #[test]
