@@ -17,7 +17,6 @@ use tokenizers::decoders::sequence::Sequence as DecoderSequence;
 use tokenizers::decoders::strip::Strip;
 use tokenizers::models::bpe::BPE;
 use tokenizers::normalizers::{Prepend, Replace};
-use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
 use tokenizers::pre_tokenizers::split::Split;
 use tokenizers::{AddedToken, DecoderWrapper, ModelWrapper, NormalizerWrapper, SplitDelimiterBehavior};
 
@@ -121,9 +120,11 @@ impl Tokenizer {
     /// A SentencePiece vocabulary (`tokenizer.ggml.model == "llama"`), converted as transformers'
     /// GGUF loader does: a BPE with byte fallback over the file's tokens, its merges those of
     /// the file or else every split of a token into two tokens, best score first (Gemma: first
-    /// in the file first). Spaces become "▁"; a "▁" is put before the text (Phi-3: always, by
-    /// normalizer; Llama, Mistral: by `Metaspace`, unless the text starts with a space; Gemma:
-    /// never) unless `tokenizer.ggml.add_space_prefix` is false, and decoding takes it off again.
+    /// in the file first). Spaces become "▁"; a "▁" is put before each text and each text after
+    /// a special token, even one that starts with a space, as sentencepiece and llama.cpp do
+    /// (Gemma: never), unless `tokenizer.ggml.add_space_prefix` is false, and decoding takes it
+    /// off again. (transformers' GGUF loader leaves it out before a leading space; the models'
+    /// own tokenizer.json files put it there, as this does.)
     /// Control tokens (and the bos/eos/unk/padding tokens) are special, user-defined ones added,
     /// both matched whole in the text.
     fn from_gguf_sentencepiece(metadata: &HashMap<String, Value>) -> Result<Self> {
@@ -212,16 +213,14 @@ impl Tokenizer {
                 Split::new(" ", SplitDelimiterBehavior::MergedWithPrevious, false).map_err(tok_err)?,
             ));
         } else {
-            if architecture == Some("phi3") {
-                let mut normalizers: Vec<NormalizerWrapper> = vec![space()?.into()];
-                if add_space_prefix {
-                    normalizers.insert(0, Prepend::new("▁".to_string()).into());
-                }
-                inner.with_normalizer(Some(tokenizers::normalizers::Sequence::new(normalizers))).map_err(tok_err)?;
-            } else {
-                let scheme = if add_space_prefix { PrependScheme::First } else { PrependScheme::Never };
-                inner.with_pre_tokenizer(Some(Metaspace::new('▁', scheme, false)));
+            // SentencePiece's dummy prefix: "▁" before every text and every text after a
+            // special token, even one that starts with a space (" Hello" is "▁", "▁Hello"), as
+            // sentencepiece, llama.cpp and the models' own tokenizer.json (`Prepend`) give it.
+            let mut normalizers: Vec<NormalizerWrapper> = vec![space()?.into()];
+            if add_space_prefix {
+                normalizers.insert(0, Prepend::new("▁".to_string()).into());
             }
+            inner.with_normalizer(Some(tokenizers::normalizers::Sequence::new(normalizers))).map_err(tok_err)?;
             if add_space_prefix {
                 decoders.push(Strip::new(' ', 1, 0).into());
             }
@@ -607,13 +606,15 @@ mod tests {
     }
 
     #[test]
-    fn sentencepiece_vocabulary_as_transformers_builds_it() {
+    fn sentencepiece_vocabulary_as_sentencepiece_splits_it() {
         let tok = Tokenizer::from_gguf(&spm_metadata("llama")).expect("builds");
-        // Ids from Python `tokenizers` with the same model, Metaspace(prepend_scheme="first").
+        // sentencepiece's dummy prefix: "▁" before the text and after a special token, even
+        // before a leading space (llama.cpp's ids on its Llama-2 vocabulary test, all 46 cases:
+        // tests/gguf_llamacpp_vocabs.rs).
         assert_eq!(tok.encode("hi hi").expect("encodes"), [9, 9]);
         assert_eq!(tok.encode("\n").expect("encodes"), [4, 3]);
-        assert_eq!(tok.encode("<|user|>hi hi").expect("encodes"), [10, 8, 9]);
-        assert_eq!(tok.encode(" hi").expect("encodes"), [9]);
+        assert_eq!(tok.encode("<|user|>hi hi").expect("encodes"), [10, 9, 9]);
+        assert_eq!(tok.encode(" hi").expect("encodes"), [4, 9]);
         // No byte token for "x": the unknown token (transformers sets none and drops it).
         assert_eq!(tok.encode("x").expect("encodes"), [4, 0]);
         assert_eq!(tok.decode(&[9, 9], false).expect("decodes"), "hi hi");

@@ -1,15 +1,17 @@
-//! GGUF byte-level BPE vocabularies (`tokenizer.ggml.model = "gpt2"`) against llama.cpp's own
-//! tokenizer tests: the vocabulary-only files `models/ggml-vocab-<name>.gguf` of llama.cpp's
-//! source, with their `.inp` inputs and `.out` ids (which llama.cpp checks against Hugging
-//! Face `tokenizers` on each family's tokenizer.json). Those files are 2-8 MB each and live
-//! in llama.cpp's source, not in this repository: the test reads them from
-//! `$PD_LLAMACPP_MODELS`, by default `target/llamacpp/src/vendor/llama.cpp/models`, where
-//! `bench/engine-vs-llamacpp.sh --build` unpacks them. Run by hand:
+//! GGUF vocabularies against llama.cpp's own tokenizer tests: the vocabulary-only files
+//! `models/ggml-vocab-<name>.gguf` of llama.cpp's source (byte-level BPE: Llama 3's, Qwen2's,
+//! GPT-2's; SentencePiece: Llama 2's), with their `.inp` inputs and `.out` ids (which
+//! llama.cpp checks against Hugging Face `tokenizers` on each family's tokenizer.json). Those
+//! files are 2-8 MB each and live in llama.cpp's source, not in this repository: the test
+//! reads them from `$PD_LLAMACPP_MODELS`, by default `target/llamacpp/src/vendor/llama.cpp/models`,
+//! where `bench/engine-vs-llamacpp.sh --build` unpacks them. Run by hand:
 //!
 //!     bench/engine-vs-llamacpp.sh --build
-//!     cargo test --release -p pd-engine --test gguf_bpe_tokenizer -- --ignored
+//!     cargo test --release -p pd-engine --test gguf_llamacpp_vocabs -- --ignored
 //!
-//! The splitting rules themselves are unit-tested in `tokenizer::pre` without these files.
+//! Without these files: the splitting rules are unit-tested in `tokenizer::pre`, the
+//! SentencePiece rules in `tokenizer`, and Phi-3's vocabulary (committed) in
+//! `gguf_spm_tokenizer`.
 
 mod common;
 
@@ -31,8 +33,8 @@ fn check(name: &str) {
     assert!(path.exists(), "{} is missing: run bench/engine-vs-llamacpp.sh --build", path.display());
     let file = GgufFile::open(&path, &candle_core::Device::Cpu).expect("open the GGUF");
     let tok = Tokenizer::from_gguf(file.metadata()).expect("build the tokenizer");
-    // Llama 3 starts a raw prompt with BOS (llama.cpp's `add_bos` for it); Qwen and GPT-2 do not.
-    assert_eq!(tok.adds_bos(), name == "llama-bpe", "{name}");
+    // Llama 2 and 3 start a raw prompt with BOS (llama.cpp's `add_bos`); Qwen and GPT-2 do not.
+    assert_eq!(tok.adds_bos(), name.starts_with("llama"), "{name}");
     let cases = common::llama_cpp_vocab_cases(&path);
     let mut failures = Vec::new();
     for (text, want) in &cases {
@@ -40,7 +42,7 @@ fn check(name: &str) {
         if &got != want {
             failures.push(format!("{text:?}\n   pd: {got:?}\n  cpp: {want:?}"));
         }
-        // Byte-level vocabularies spell every byte: the ids give the text back exactly.
+        // The ids give the text back exactly (SentencePiece's dummy prefix comes off again).
         assert_eq!(&tok.decode(want, false).expect("decode"), text, "{name}: decoding {want:?}");
     }
     assert!(
@@ -68,4 +70,10 @@ fn qwen2_vocabulary_encodes_every_llama_cpp_case() {
 #[ignore = "needs llama.cpp's vocabulary files (bench/engine-vs-llamacpp.sh --build)"]
 fn gpt2_vocabulary_encodes_every_llama_cpp_case() {
     check("gpt-2");
+}
+
+#[test]
+#[ignore = "needs llama.cpp's vocabulary files (bench/engine-vs-llamacpp.sh --build)"]
+fn llama2_sentencepiece_vocabulary_encodes_every_llama_cpp_case() {
+    check("llama-spm");
 }
