@@ -92,7 +92,13 @@ impl Ctx {
                     data,
                 };
                 if let Err(e) = self.registry.apply_frame_view(&id, sender, view) {
-                    self.forget(ep, &id);
+                    // A superseded sender keeps its entry until its commit or abort (or its
+                    // endpoint's end), so those are refused as superseded too, not as messages
+                    // without a header: which refusal its commit reports must not depend on
+                    // whether the frame's refusal reached it first.
+                    if !matches!(e, TransferError::Superseded(_)) {
+                        self.forget(ep, &id);
+                    }
                     self.refuse(ep, &id, &e);
                 }
             }
