@@ -220,10 +220,9 @@ pub fn run_alone(
     last.expect("at least one chunk")
 }
 
-/// llama.cpp's tokenizer test cases beside a vocabulary file `gguf` (`<gguf>.inp`, `<gguf>.out`),
+/// llama.cpp's tokenizer test cases beside a vocabulary file `path` (`<path>.inp`, `<path>.out`),
 /// split as its tests/test-tokenizer-0.cpp splits them.
-pub fn llama_cpp_vocab_cases(gguf: &Path) -> Vec<(String, Vec<u32>)> {
-    let path = gguf;
+pub fn llama_cpp_vocab_cases(path: &Path) -> Vec<(String, Vec<u32>)> {
     let raw = std::fs::read_to_string(path.with_extension("gguf.inp")).expect(".inp");
     let out = std::fs::read_to_string(path.with_extension("gguf.out")).expect(".out");
     let sep = "\n__ggml_vocab_test__\n";
